@@ -11,11 +11,18 @@
 //! call `id` the host chooses. A frame is:
 //!
 //! ```text
+//! 4 bytes         magic "SHL\x01"
 //! u32 big-endian  header length H
 //! u32 big-endian  payload length P
 //! H bytes         JSON header: {"id": <u64>, "msg": <HostMsg | GuestMsg>}
 //! P bytes         raw payload (stdout/stderr chunks, file data, entropy)
 //! ```
+//!
+//! The magic lets a reader find the next frame after a torn one: a guest
+//! paused for a fork may have been half-way through a frame, and its child
+//! then starts a new connection in the middle of it. Readers skip bytes
+//! until the magic, and a new connection begins with a `Hello` whose answer
+//! the host waits for, discarding anything before it.
 //!
 //! Raw payloads keep bulk data out of JSON, so a 1 GiB file moves as 64 KiB
 //! chunks without base64 and without being held whole in memory.
@@ -58,6 +65,9 @@ pub const MAX_HEADER: usize = 1024 * 1024;
 
 /// Bytes of stream payload one call may have in flight before credit returns.
 pub const STREAM_WINDOW: u64 = 1024 * 1024;
+
+/// Marks the start of every frame.
+pub const MAGIC: [u8; 4] = *b"SHL\x01";
 
 /// Identifies one call on the shared channel.
 pub type CallId = u64;
@@ -275,7 +285,8 @@ pub fn encode<M: Serialize>(frame: &Frame<M>) -> Vec<u8> {
         msg: &frame.msg,
     })
     .expect("protocol messages always serialize");
-    let mut out = Vec::with_capacity(8 + header.len() + frame.payload.len());
+    let mut out = Vec::with_capacity(12 + header.len() + frame.payload.len());
+    out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&(header.len() as u32).to_be_bytes());
     out.extend_from_slice(&(frame.payload.len() as u32).to_be_bytes());
     out.extend_from_slice(&header);
@@ -313,12 +324,24 @@ fn decode_body<M: for<'de> Deserialize<'de>>(
 pub fn read_frame<M: for<'de> Deserialize<'de>, R: Read>(
     reader: &mut R,
 ) -> Result<Frame<M>, ProtoError> {
-    let mut prefix = [0u8; 8];
-    match reader.read_exact(&mut prefix) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ProtoError::Closed),
-        Err(e) => return Err(ProtoError::Io(e)),
+    let mut window = [0u8; 4];
+    let mut byte = [0u8; 1];
+    let mut seen = 0usize;
+    while window != MAGIC {
+        match reader.read_exact(&mut byte) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(ProtoError::Closed)
+            }
+            Err(e) => return Err(ProtoError::Io(e)),
+        }
+        window = [window[1], window[2], window[3], byte[0]];
     }
+    let mut prefix = [0u8; 8];
+    reader.read_exact(&mut prefix).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => ProtoError::Closed,
+        _ => ProtoError::Io(e),
+    })?;
     let (header_len, payload_len) = check_lengths(&prefix)?;
     let mut body = vec![0u8; header_len + payload_len];
     reader.read_exact(&mut body).map_err(ProtoError::Io)?;
@@ -343,14 +366,22 @@ pub mod asynchronous {
     pub async fn read_frame<M: for<'de> Deserialize<'de>, R: AsyncRead + Unpin>(
         reader: &mut R,
     ) -> Result<Frame<M>, ProtoError> {
-        let mut prefix = [0u8; 8];
-        match reader.read_exact(&mut prefix).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                return Err(ProtoError::Closed)
-            }
-            Err(e) => return Err(ProtoError::Io(e)),
+        let mut window = [0u8; 4];
+        while window != MAGIC {
+            let byte = match reader.read_u8().await {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    return Err(ProtoError::Closed)
+                }
+                Err(e) => return Err(ProtoError::Io(e)),
+            };
+            window = [window[1], window[2], window[3], byte];
         }
+        let mut prefix = [0u8; 8];
+        reader.read_exact(&mut prefix).await.map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => ProtoError::Closed,
+            _ => ProtoError::Io(e),
+        })?;
         let (header_len, payload_len) = check_lengths(&prefix)?;
         let mut body = vec![0u8; header_len + payload_len];
         reader.read_exact(&mut body).await.map_err(ProtoError::Io)?;
@@ -382,6 +413,16 @@ mod tests {
     }
 
     #[test]
+    fn reader_skips_a_torn_frame_to_the_next_magic() {
+        let first = encode(&Frame::with_payload(1, GuestMsg::Stdout, b"torn".to_vec()));
+        let second = Frame::new(2, GuestMsg::Pong);
+        let mut bytes = first[first.len() / 2..].to_vec();
+        bytes.extend_from_slice(&encode(&second));
+        let back: Frame<GuestMsg> = read_frame(&mut &bytes[..]).unwrap();
+        assert_eq!(back, second);
+    }
+
+    #[test]
     fn end_of_stream_is_closed() {
         let empty: &[u8] = &[];
         let err = read_frame::<HostMsg, _>(&mut &empty[..]).unwrap_err();
@@ -391,6 +432,7 @@ mod tests {
     #[test]
     fn oversized_payload_is_refused() {
         let mut bytes = Vec::new();
+        bytes.extend_from_slice(&MAGIC);
         bytes.extend_from_slice(&2u32.to_be_bytes());
         bytes.extend_from_slice(&((MAX_CHUNK + 1) as u32).to_be_bytes());
         let err = read_frame::<HostMsg, _>(&mut &bytes[..]).unwrap_err();
