@@ -1,1 +1,279 @@
-fn main() {}
+//! The `shoal` command: every host-side role in one binary.
+//!
+//! Owns argument parsing and turning results into output and exit codes.
+//! Holds no logic of its own: templates and VMs are the engine's, benches
+//! live in `bench.rs` and only call the engine's public API.
+
+mod bench;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use shoal_engine::{Accel, Engine, EngineConfig};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "shoal", version, about = "An on-demand microVM fleet")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct EngineArgs {
+    /// Where templates, snapshots and VM state live.
+    #[arg(long, env = "SHOAL_STATE_DIR", default_value = "/var/lib/shoal")]
+    state_dir: PathBuf,
+    /// Force an accelerator (kvm or tcg); by default KVM where the host can
+    /// run it, TCG otherwise.
+    #[arg(long, env = "SHOAL_ACCEL")]
+    accel: Option<Accel>,
+    /// The QEMU binary.
+    #[arg(long, env = "SHOAL_QEMU", default_value = "qemu-system-x86_64")]
+    qemu: PathBuf,
+    /// Where images and baked templates are cached (default: the state dir).
+    #[arg(long, env = "SHOAL_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+}
+
+impl EngineArgs {
+    async fn open(&self) -> Result<Engine> {
+        let mut config = EngineConfig::new(&self.state_dir);
+        config.accel = self.accel;
+        config.qemu = self.qemu.clone();
+        if let Some(cache) = &self.cache_dir {
+            config.cache_dir = cache.clone();
+        }
+        Engine::open(config)
+            .await
+            .with_context(|| format!("opening the engine on {}", self.state_dir.display()))
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build and bake templates.
+    Template {
+        #[command(subcommand)]
+        command: TemplateCommand,
+    },
+    /// Create a sandbox, run one command in it, print its output, kill it.
+    Run {
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[arg(long, default_value = "code-interpreter")]
+        template: String,
+        /// Seconds before the command is killed.
+        #[arg(long)]
+        timeout: Option<u64>,
+        /// The shell command to run.
+        command: String,
+    },
+    /// Create sandboxes and hold them until killed (for crash tests).
+    #[command(hide = true)]
+    Hold {
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[arg(long, default_value = "code-interpreter")]
+        template: String,
+        #[arg(long, default_value_t = 1)]
+        count: usize,
+        /// Also fork the first sandbox into this many children.
+        #[arg(long, default_value_t = 0)]
+        fork: usize,
+    },
+    /// Measure the engine and write a JSON report.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum TemplateCommand {
+    /// Build (or reuse) a template: image, boot, snapshot.
+    Build {
+        #[command(flatten)]
+        engine: EngineArgs,
+        /// Template names; all first-party templates when none is given.
+        names: Vec<String>,
+        /// The guest agent binary to install (default: next to `shoal`).
+        #[arg(long, env = "SHOAL_GUEST_AGENT")]
+        guest_agent: Option<PathBuf>,
+    },
+    /// List the first-party templates and whether they are baked here.
+    List {
+        #[command(flatten)]
+        engine: EngineArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Create, exec, fork and density on the real VM path.
+    Engine(bench::EngineBenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {}", error_chain(&error));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn error_chain(error: &anyhow::Error) -> String {
+    error
+        .chain()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+async fn run(cli: Cli) -> Result<std::process::ExitCode> {
+    match cli.command {
+        Command::Template {
+            command:
+                TemplateCommand::Build {
+                    engine,
+                    names,
+                    guest_agent,
+                },
+        } => {
+            let engine = engine.open().await?;
+            let agent = guest_agent_path(guest_agent)?;
+            let names = if names.is_empty() {
+                shoal_image::first_party_templates()
+                    .into_iter()
+                    .map(|t| t.name)
+                    .collect()
+            } else {
+                names
+            };
+            let progress = indicatif::MultiProgress::new();
+            for name in names {
+                let manifest = engine
+                    .build_template(&name, &agent, &progress)
+                    .await
+                    .with_context(|| format!("building template {name}"))?;
+                println!(
+                    "{name}: ready ({} vCPUs, {} MiB, {}, bake {:.12})",
+                    manifest.vcpus, manifest.memory_mib, manifest.accel, manifest.input_hash
+                );
+            }
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Template {
+            command: TemplateCommand::List { engine },
+        } => {
+            let engine = engine.open().await?;
+            for spec in shoal_image::first_party_templates() {
+                let state = match engine.template(&spec.name) {
+                    Ok(_) => "baked".to_string(),
+                    Err(e) => shoal_engine::error::chain(&e),
+                };
+                println!(
+                    "{:<18} {:>2} vCPUs {:>5} MiB  {}",
+                    spec.name, spec.vcpus, spec.memory_mib, state
+                );
+            }
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Run {
+            engine,
+            template,
+            timeout,
+            command,
+        } => {
+            let engine = engine.open().await?;
+            let sandbox = engine.create(&template, None).await?;
+            eprintln!(
+                "sandbox {} ({template}) restored in {:.0} ms",
+                sandbox.id, sandbox.restore_ms
+            );
+            let result = async {
+                let agent = engine.agent(&sandbox.id).await?;
+                let output = agent
+                    .exec_collect(shoal_proto::client::ExecRequest {
+                        cmd: command,
+                        timeout: timeout.map(std::time::Duration::from_secs),
+                        ..Default::default()
+                    })
+                    .await?;
+                Ok::<_, shoal_engine::EngineError>(output)
+            }
+            .await;
+            engine.kill(&sandbox.id).await?;
+            let output = result?;
+            use std::io::Write;
+            std::io::stdout().write_all(&output.stdout)?;
+            std::io::stderr().write_all(&output.stderr)?;
+            let status = &output.status;
+            if status.timed_out {
+                eprintln!("timed out");
+            }
+            Ok(std::process::ExitCode::from(match (status.code, status.signal) {
+                (Some(code), _) => code.clamp(0, 255) as u8,
+                (None, Some(signal)) => (128 + signal).clamp(0, 255) as u8,
+                _ => 1,
+            }))
+        }
+        Command::Hold {
+            engine,
+            template,
+            count,
+            fork,
+        } => {
+            let engine = engine.open().await?;
+            let mut ids = Vec::new();
+            for _ in 0..count {
+                let info = engine.create(&template, None).await?;
+                println!("sandbox {} pid {}", info.id, info.pid.unwrap_or(0));
+                ids.push(info.id);
+            }
+            if fork > 0 {
+                let forked = engine.fork(&ids[0], fork).await?;
+                for child in forked.children {
+                    println!("sandbox {} pid {}", child.id, child.pid.unwrap_or(0));
+                }
+            }
+            println!("holding");
+            use std::io::Write;
+            std::io::stdout().flush()?;
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+            }
+        }
+        Command::Bench {
+            command: BenchCommand::Engine(args),
+        } => {
+            bench::engine(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// The guest agent binary: given, or `shoal-guest-agent` beside this binary.
+fn guest_agent_path(given: Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(path) = given {
+        return Ok(path);
+    }
+    let exe = std::env::current_exe().context("locating the shoal binary")?;
+    let beside = exe.with_file_name("shoal-guest-agent");
+    anyhow::ensure!(
+        beside.exists(),
+        "no guest agent at {}; build it with `cargo build --release` or pass --guest-agent",
+        beside.display()
+    );
+    Ok(beside)
+}

@@ -1,1 +1,684 @@
-//! Engine.
+//! The VM engine: microVMs on one host, created by restoring snapshots.
+//!
+//! Owns: templates baked into snapshots (`bake`), QEMU processes and their
+//! command lines (`qemu`, the only module that knows QEMU's flags), restore
+//! (`vm`), copy-on-write fork, user snapshots, hibernate and wake (`capture`
+//! via `memory`), and reaping what a crashed run left behind (`reap`).
+//!
+//! Does not own: HTTP, accounts, quotas, placement or networking; the
+//! control plane decides which sandbox exists and calls in here. Speaks QMP
+//! only through `shoal-qmp` and the guest protocol only through
+//! `shoal-proto`. One engine owns one state directory, enforced by a lock.
+//!
+//! Directory layout. The cache holds what is built once and shared (several
+//! engines, e.g. a test run beside `shoal up`, may read one cache); the
+//! state directory belongs to exactly one engine:
+//! ```text
+//! <cache>/images/                  image layers (shoal-image)
+//! <cache>/templates/<name>/<hash>/ baked template: memory, devices, disk.qcow2, manifest.json
+//! <cache>/templates/<name>/current the hash in use
+//! <cache>/overlays/                empty qcow2 layers copied for each VM
+//! <state>/engine.lock
+//! <state>/captures/<id>/           fork points, snapshots, hibernated state
+//! <state>/vms/<id>/                one VM: sockets, logs, its disk layer, vm.json
+//! ```
+
+pub mod accel;
+mod bake;
+mod capture;
+pub mod error;
+pub mod manifest;
+pub mod memory;
+pub mod qemu;
+mod reap;
+pub mod vm;
+
+pub use accel::Accel;
+pub use bake::BakeProgress;
+pub use error::{EngineError, Result};
+pub use manifest::{Kind, Manifest};
+pub use shoal_proto::client::AgentClient;
+pub use vm::VmState;
+
+use error::IoContext;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use vm::{RestoreContext, Vm, VmInner};
+
+/// How to open an engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// This engine's own VMs and captures; locked while the engine runs.
+    pub state_dir: PathBuf,
+    /// Images, baked templates and empty overlays; shared, built once.
+    pub cache_dir: PathBuf,
+    pub qemu: PathBuf,
+    /// `None` chooses automatically (see [`accel::detect`]).
+    pub accel: Option<Accel>,
+    /// Root of the proc filesystem (a parameter so tests can fake it).
+    pub proc_root: PathBuf,
+}
+
+impl EngineConfig {
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
+        let state_dir = state_dir.into();
+        EngineConfig {
+            cache_dir: state_dir.clone(),
+            state_dir,
+            qemu: PathBuf::from("qemu-system-x86_64"),
+            accel: None,
+            proc_root: PathBuf::from("/proc"),
+        }
+    }
+}
+
+/// What the engine tells about one sandbox.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SandboxInfo {
+    pub id: String,
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub state: VmState,
+    pub pid: Option<u32>,
+    pub created_unix_ms: u64,
+    /// Wall time of the restore that made it, until the agent answered.
+    pub restore_ms: f64,
+}
+
+/// The children of a fork, and how long the parent's state took to capture
+/// (the children's `restore_ms` count from the end of it).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Fork {
+    pub capture_ms: f64,
+    pub children: Vec<SandboxInfo>,
+}
+
+/// Resource use of one VM process, for metering.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Usage {
+    pub cpu_seconds: f64,
+    pub pss_bytes: u64,
+    pub rss_bytes: u64,
+}
+
+pub struct Engine {
+    config: EngineConfig,
+    accel: Accel,
+    qemu_version: String,
+    vms: Mutex<HashMap<String, Arc<Vm>>>,
+    /// Serialises capture-file garbage collection against new references.
+    gc_lock: tokio::sync::Mutex<()>,
+    _lock: std::fs::File,
+}
+
+impl Engine {
+    /// Opens the state directory, takes its lock, and reaps whatever a
+    /// previous run left behind (QEMU processes, sockets, overlays, unused
+    /// fork captures). Hibernated VMs and user snapshots are kept.
+    pub async fn open(config: EngineConfig) -> Result<Engine> {
+        for dir in [
+            config.cache_dir.join("templates"),
+            config.cache_dir.join("overlays"),
+            config.cache_dir.join("images"),
+            config.state_dir.join("captures"),
+            config.state_dir.join("vms"),
+        ] {
+            std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;
+        }
+        let lock = lock_file(&config.state_dir.join("engine.lock"), false)
+            .map_err(|_| EngineError::StateDirBusy(config.state_dir.clone()))?;
+        let accel = config.accel.unwrap_or_else(|| {
+            accel::detect(&config.proc_root.join("cpuinfo"), Path::new("/dev/kvm"))
+        });
+        let qemu_version = qemu::version_id(&config.qemu)?;
+        let engine = Engine {
+            config,
+            accel,
+            qemu_version,
+            vms: Mutex::new(HashMap::new()),
+            gc_lock: tokio::sync::Mutex::new(()),
+            _lock: lock,
+        };
+        let hibernated = reap::reap_leftovers(&engine.config.state_dir, &engine.config.proc_root)?;
+        for record in hibernated {
+            let vm = Arc::new(Vm {
+                id: record.id.clone(),
+                dir: engine.vm_dir(&record.id),
+                inner: tokio::sync::Mutex::new(VmInner {
+                    state: VmState::Hibernated,
+                    source: record.source,
+                    live: None,
+                }),
+                state_now: Mutex::new((VmState::Hibernated, None)),
+                created_unix_ms: record.created_unix_ms,
+                restore_ms: Mutex::new(0.0),
+            });
+            engine.vms.lock().unwrap().insert(record.id, vm);
+        }
+        engine.collect_captures().await;
+        Ok(engine)
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    pub fn qemu_version(&self) -> &str {
+        &self.qemu_version
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.config.state_dir
+    }
+
+    fn vm_dir(&self, id: &str) -> PathBuf {
+        self.config.state_dir.join("vms").join(id)
+    }
+
+    fn captures_dir(&self) -> PathBuf {
+        self.config.state_dir.join("captures")
+    }
+
+    fn vm(&self, id: &str) -> Result<Arc<Vm>> {
+        self.vms
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| EngineError::NoSuchSandbox(id.to_string()))
+    }
+
+    /// The baked template `name`, checked against this host's QEMU and
+    /// accelerator.
+    pub fn template(&self, name: &str) -> Result<Manifest> {
+        if shoal_image::find_template(name).is_none() {
+            return Err(EngineError::UnknownTemplate(name.to_string()));
+        }
+        let dir = self.config.cache_dir.join("templates").join(name);
+        let current = std::fs::read_to_string(dir.join("current"))
+            .map_err(|_| EngineError::TemplateNotBuilt(name.to_string()))?;
+        let manifest = Manifest::load(&dir.join(current.trim()))
+            .map_err(|_| EngineError::TemplateNotBuilt(name.to_string()))?;
+        self.check_compatible(&manifest)?;
+        Ok(manifest)
+    }
+
+    fn check_compatible(&self, manifest: &Manifest) -> Result<()> {
+        let host = format!("{} ({})", self.qemu_version, self.accel);
+        let baked_by = format!("{} ({})", manifest.qemu_version, manifest.accel);
+        if host != baked_by {
+            return Err(EngineError::TemplateStale {
+                name: manifest.template.clone(),
+                baked_by,
+                host,
+            });
+        }
+        Ok(())
+    }
+
+    /// Creates a sandbox by restoring template `template`.
+    pub async fn create(&self, template: &str, id: Option<String>) -> Result<SandboxInfo> {
+        let source = self.template(template)?;
+        let id = id.unwrap_or_else(new_sandbox_id);
+        self.start_from(id, source).await
+    }
+
+    /// Creates a sandbox from a user snapshot.
+    pub async fn create_from_snapshot(&self, snapshot: &str, id: Option<String>) -> Result<SandboxInfo> {
+        let source = self.snapshot_manifest(snapshot)?;
+        let id = id.unwrap_or_else(new_sandbox_id);
+        self.start_from(id, source).await
+    }
+
+    fn snapshot_manifest(&self, snapshot: &str) -> Result<Manifest> {
+        if !valid_id(snapshot) {
+            return Err(EngineError::NoSuchSnapshot(snapshot.to_string()));
+        }
+        let manifest = Manifest::load(&self.captures_dir().join(snapshot))
+            .map_err(|_| EngineError::NoSuchSnapshot(snapshot.to_string()))?;
+        if manifest.kind != Kind::Snapshot {
+            return Err(EngineError::NoSuchSnapshot(snapshot.to_string()));
+        }
+        self.check_compatible(&manifest)?;
+        Ok(manifest)
+    }
+
+    async fn start_from(&self, id: String, source: Manifest) -> Result<SandboxInfo> {
+        if !valid_id(&id) {
+            return Err(EngineError::InvalidInput(format!(
+                "sandbox id {id:?} must be 1-64 of [a-z0-9-]"
+            )));
+        }
+        let dir = self.vm_dir(&id);
+        let vm = Arc::new(Vm {
+            id: id.clone(),
+            dir: dir.clone(),
+            inner: tokio::sync::Mutex::new(VmInner {
+                state: VmState::Running,
+                source: source.clone(),
+                live: None,
+            }),
+            state_now: Mutex::new((VmState::Running, None)),
+            created_unix_ms: manifest::now_unix_ms(),
+            restore_ms: Mutex::new(0.0),
+        });
+        {
+            let mut vms = self.vms.lock().unwrap();
+            if vms.contains_key(&id) {
+                return Err(EngineError::InvalidInput(format!("sandbox {id} already exists")));
+            }
+            vms.insert(id.clone(), vm.clone());
+        }
+        let started = std::time::Instant::now();
+        match self.bring_up(&vm, &source).await {
+            Ok(()) => {
+                *vm.restore_ms.lock().unwrap() = started.elapsed().as_secs_f64() * 1000.0;
+                Ok(self.info_of(&vm).await)
+            }
+            Err(e) => {
+                self.vms.lock().unwrap().remove(&id);
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    async fn bring_up(&self, vm: &Vm, source: &Manifest) -> Result<()> {
+        std::fs::create_dir_all(&vm.dir).io_context(|| format!("creating {}", vm.dir.display()))?;
+        let overlay = self.empty_overlay(source)?;
+        let ctx = RestoreContext {
+            qemu: &self.config.qemu,
+            accel: self.accel,
+            empty_overlay: &overlay,
+        };
+        let mut inner = vm.inner.lock().await;
+        // vm.json goes first with no pid, so a crash mid-restore is reaped.
+        vm.store_record(&inner)?;
+        let live = vm::restore(&ctx, &vm.id, &vm.dir, source).await?;
+        inner.live = Some(live);
+        inner.source = source.clone();
+        vm.set_state(&mut inner, VmState::Running);
+        vm.store_record(&inner)?;
+        Ok(())
+    }
+
+    /// An empty qcow2 layer the size of `source`'s disk, made once and copied.
+    fn empty_overlay(&self, source: &Manifest) -> Result<PathBuf> {
+        let base = source
+            .disk_layers
+            .first()
+            .ok_or_else(|| EngineError::InvalidInput("snapshot has no disk".into()))?;
+        let size = std::fs::metadata(base)
+            .io_context(|| format!("reading size of {}", base.display()))?
+            .len();
+        let path = self
+            .config
+            .cache_dir
+            .join("overlays")
+            .join(format!("empty-{size}.qcow2"));
+        if !path.exists() {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            let output = std::process::Command::new("qemu-img")
+                .args(["create", "-q", "-f", "qcow2", "-o", "compat=1.1"])
+                .arg(&tmp)
+                .arg(size.to_string())
+                .output()
+                .io_context(|| "running qemu-img create".into())?;
+            if !output.status.success() {
+                return Err(EngineError::Qemu {
+                    message: format!(
+                        "qemu-img create failed: {}",
+                        String::from_utf8_lossy(&output.stderr).trim()
+                    ),
+                });
+            }
+            std::fs::rename(&tmp, &path).io_context(|| format!("renaming {}", tmp.display()))?;
+        }
+        Ok(path)
+    }
+
+    async fn info_of(&self, vm: &Vm) -> SandboxInfo {
+        let inner = vm.inner.lock().await;
+        SandboxInfo {
+            id: vm.id.clone(),
+            template: inner.source.template.clone(),
+            vcpus: inner.source.vcpus,
+            memory_mib: inner.source.memory_mib,
+            state: inner.state,
+            pid: inner.live.as_ref().map(|l| l.pid),
+            created_unix_ms: vm.created_unix_ms,
+            restore_ms: *vm.restore_ms.lock().unwrap(),
+        }
+    }
+
+    pub async fn get(&self, id: &str) -> Result<SandboxInfo> {
+        let vm = self.vm(id)?;
+        Ok(self.info_of(&vm).await)
+    }
+
+    pub async fn list(&self) -> Vec<SandboxInfo> {
+        let vms: Vec<Arc<Vm>> = self.vms.lock().unwrap().values().cloned().collect();
+        let mut out = Vec::with_capacity(vms.len());
+        for vm in vms {
+            out.push(self.info_of(&vm).await);
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// The guest agent of a running sandbox, for exec and files.
+    pub async fn agent(&self, id: &str) -> Result<AgentClient> {
+        let vm = self.vm(id)?;
+        let inner = vm.inner.lock().await;
+        match (&inner.live, inner.state) {
+            (Some(live), VmState::Running) => Ok(live.agent.clone()),
+            _ => Err(EngineError::WrongState {
+                id: id.to_string(),
+                state: inner.state.as_str(),
+                wanted: "running",
+            }),
+        }
+    }
+
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        let vm = self.vm(id)?;
+        let mut inner = vm.inner.lock().await;
+        let live = running(&vm, &inner)?;
+        live.qmp.stop().await?;
+        vm.set_state(&mut inner, VmState::Paused);
+        vm.store_record(&inner)
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        let vm = self.vm(id)?;
+        let mut inner = vm.inner.lock().await;
+        if inner.state != VmState::Paused {
+            return Err(EngineError::WrongState {
+                id: id.to_string(),
+                state: inner.state.as_str(),
+                wanted: "paused",
+            });
+        }
+        let live = inner.live.as_ref().expect("a paused VM has a process");
+        live.qmp.cont().await?;
+        vm.set_state(&mut inner, VmState::Running);
+        vm.store_record(&inner)
+    }
+
+    /// Forks a running sandbox into `count` children that start from its
+    /// memory and disk as they are now. The parent goes on running.
+    pub async fn fork(&self, id: &str, count: usize) -> Result<Fork> {
+        if count == 0 || count > 64 {
+            return Err(EngineError::InvalidInput(format!(
+                "fork count {count} must be between 1 and 64"
+            )));
+        }
+        let vm = self.vm(id)?;
+        let capture_started = std::time::Instant::now();
+        let point = {
+            let _gc = self.gc_lock.lock().await;
+            let mut inner = vm.inner.lock().await;
+            running(&vm, &inner)?;
+            capture::capture(self, &vm, &mut inner, Kind::Fork, true).await?
+        };
+        let capture_ms = capture_started.elapsed().as_secs_f64() * 1000.0;
+        let children = futures::future::join_all(
+            (0..count).map(|_| self.start_from(new_sandbox_id(), point.clone())),
+        )
+        .await;
+        let mut out = Vec::new();
+        let mut first_error = None;
+        for child in children {
+            match child {
+                Ok(info) => out.push(info),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            // All or nothing: a fork that returns an error leaves no child.
+            for info in &out {
+                let _ = self.kill(&info.id).await;
+            }
+            self.collect_captures().await;
+            return Err(e);
+        }
+        Ok(Fork {
+            capture_ms,
+            children: out,
+        })
+    }
+
+    /// Saves a running sandbox's memory, devices and disk as a snapshot that
+    /// new sandboxes can be created from. Returns its id.
+    pub async fn snapshot(&self, id: &str) -> Result<String> {
+        let vm = self.vm(id)?;
+        let _gc = self.gc_lock.lock().await;
+        let mut inner = vm.inner.lock().await;
+        running(&vm, &inner)?;
+        let manifest = capture::capture(self, &vm, &mut inner, Kind::Snapshot, true).await?;
+        Ok(manifest.id)
+    }
+
+    /// Ids of the user snapshots on this host.
+    pub fn snapshots(&self) -> Vec<Manifest> {
+        let mut out: Vec<Manifest> = std::fs::read_dir(self.captures_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| Manifest::load(&entry.path()).ok())
+            .filter(|m| m.kind == Kind::Snapshot)
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    pub async fn delete_snapshot(&self, snapshot: &str) -> Result<()> {
+        self.snapshot_manifest(snapshot)?;
+        let _gc = self.gc_lock.lock().await;
+        let dir = self.captures_dir().join(snapshot);
+        // Demote to a fork capture: its files go once nothing restored from it
+        // still uses them.
+        let mut manifest = Manifest::load(&dir)?;
+        manifest.kind = Kind::Fork;
+        manifest.store(&dir)?;
+        drop(_gc);
+        self.collect_captures().await;
+        Ok(())
+    }
+
+    /// Saves the sandbox's whole state to disk and stops its QEMU process,
+    /// freeing its memory. [`Engine::wake`] brings it back.
+    pub async fn hibernate(&self, id: &str) -> Result<()> {
+        let vm = self.vm(id)?;
+        {
+            let _gc = self.gc_lock.lock().await;
+            let mut inner = vm.inner.lock().await;
+            if inner.state == VmState::Hibernated {
+                return Ok(());
+            }
+            let manifest = capture::capture(self, &vm, &mut inner, Kind::Hibernate, false).await?;
+            if let Some(mut live) = inner.live.take() {
+                let _ = live.qmp.quit().await;
+                vm::kill_process_group(live.pid);
+                let _ = live.child.wait().await;
+            }
+            for leftover in ["disk.qcow2", "qmp.sock", "agent.sock"] {
+                let _ = std::fs::remove_file(vm.dir.join(leftover));
+            }
+            inner.source = manifest;
+            vm.set_state(&mut inner, VmState::Hibernated);
+            vm.store_record(&inner)?;
+        }
+        self.collect_captures().await;
+        Ok(())
+    }
+
+    /// Restores a hibernated sandbox under the same id.
+    pub async fn wake(&self, id: &str) -> Result<SandboxInfo> {
+        let vm = self.vm(id)?;
+        {
+            let mut inner = vm.inner.lock().await;
+            if inner.state != VmState::Hibernated {
+                return Err(EngineError::WrongState {
+                    id: id.to_string(),
+                    state: inner.state.as_str(),
+                    wanted: "hibernated",
+                });
+            }
+            self.check_compatible(&inner.source)?;
+            let overlay = self.empty_overlay(&inner.source)?;
+            let ctx = RestoreContext {
+                qemu: &self.config.qemu,
+                accel: self.accel,
+                empty_overlay: &overlay,
+            };
+            let source = inner.source.clone();
+            let live = vm::restore(&ctx, &vm.id, &vm.dir, &source).await?;
+            inner.live = Some(live);
+            vm.set_state(&mut inner, VmState::Running);
+            vm.store_record(&inner)?;
+        }
+        Ok(self.info_of(&vm).await)
+    }
+
+    /// Kills a sandbox: its process, and every file, socket and disk layer
+    /// it owned. Capture files only it used go too.
+    pub async fn kill(&self, id: &str) -> Result<()> {
+        let vm = self
+            .vms
+            .lock()
+            .unwrap()
+            .remove(id)
+            .ok_or_else(|| EngineError::NoSuchSandbox(id.to_string()))?;
+        {
+            let mut inner = vm.inner.lock().await;
+            if let Some(mut live) = inner.live.take() {
+                vm::kill_process_group(live.pid);
+                let _ = live.child.wait().await;
+            }
+        }
+        std::fs::remove_dir_all(&vm.dir).io_context(|| format!("removing {}", vm.dir.display()))?;
+        self.collect_captures().await;
+        Ok(())
+    }
+
+    /// Kills every sandbox (used at shutdown and by tests).
+    pub async fn kill_all(&self) {
+        let ids: Vec<String> = self.vms.lock().unwrap().keys().cloned().collect();
+        for id in ids {
+            let _ = self.kill(&id).await;
+        }
+    }
+
+    /// CPU time and memory of a sandbox's QEMU process.
+    pub fn usage(&self, id: &str) -> Result<Option<Usage>> {
+        let vm = self.vm(id)?;
+        Ok(vm.pid().and_then(|pid| process_usage(&self.config.proc_root, pid)))
+    }
+
+    /// Deletes fork and hibernate captures no VM or snapshot still needs.
+    async fn collect_captures(&self) {
+        let _gc = self.gc_lock.lock().await;
+        let mut needed: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let vms: Vec<Arc<Vm>> = self.vms.lock().unwrap().values().cloned().collect();
+        for vm in vms {
+            let inner = vm.inner.lock().await;
+            needed.extend(inner.source.captures_needed());
+        }
+        reap::collect_captures(&self.captures_dir(), needed);
+    }
+}
+
+fn running<'a>(vm: &Vm, inner: &'a VmInner) -> Result<&'a vm::Live> {
+    match (&inner.live, inner.state) {
+        (Some(live), VmState::Running) => Ok(live),
+        _ => Err(EngineError::WrongState {
+            id: vm.id.clone(),
+            state: inner.state.as_str(),
+            wanted: "running",
+        }),
+    }
+}
+
+/// Sandbox ids: `sb-` and 12 hex digits.
+pub fn new_sandbox_id() -> String {
+    use rand::Rng;
+    format!("sb-{:012x}", rand::thread_rng().gen::<u64>() & 0xffff_ffff_ffff)
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// Takes an exclusive `flock` on `path`, waiting for it when `wait`.
+fn lock_file(path: &Path, wait: bool) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .io_context(|| format!("opening {}", path.display()))?;
+    let mode = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), mode) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .io_context(|| format!("locking {}", path.display()));
+    }
+    Ok(file)
+}
+
+/// CPU seconds (user + system, from `stat`) and Pss/Rss (from
+/// `smaps_rollup`) of a process.
+pub fn process_usage(proc_root: &Path, pid: u32) -> Option<Usage> {
+    let dir = proc_root.join(pid.to_string());
+    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+    // Fields after the command name, which may itself hold spaces.
+    let after = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let rollup = std::fs::read_to_string(dir.join("smaps_rollup")).ok()?;
+    let field = |name: &str| -> u64 {
+        rollup
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    Some(Usage {
+        cpu_seconds: ticks / hz,
+        pss_bytes: field("Pss:"),
+        rss_bytes: field("Rss:"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_checked() {
+        assert!(valid_id(&new_sandbox_id()));
+        assert!(!valid_id("../etc"));
+        assert!(!valid_id(""));
+        assert!(!valid_id("UPPER"));
+    }
+
+    #[test]
+    fn usage_reads_this_process() {
+        let usage = process_usage(Path::new("/proc"), std::process::id()).unwrap();
+        assert!(usage.pss_bytes > 0 && usage.rss_bytes >= usage.pss_bytes / 2);
+    }
+}

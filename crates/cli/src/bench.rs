@@ -1,0 +1,204 @@
+//! `shoal bench engine`: measures the engine on the real VM path and writes
+//! one JSON object. Every figure comes from real QEMU restores of a baked
+//! template; nothing here is simulated.
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use shoal_engine::Engine;
+use shoal_proto::client::ExecRequest;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct EngineBenchArgs {
+    #[command(flatten)]
+    engine: super::EngineArgs,
+    /// Where to write the JSON report.
+    #[arg(long)]
+    json: PathBuf,
+    #[arg(long, default_value = "code-interpreter")]
+    template: String,
+    /// Samples of create (and of create + first exec).
+    #[arg(long, default_value_t = 100)]
+    samples: usize,
+    /// Exec round trips on one sandbox.
+    #[arg(long, default_value_t = 200)]
+    exec_samples: usize,
+    /// Fork-16 repetitions.
+    #[arg(long, default_value_t = 5)]
+    fork_samples: usize,
+    /// Idle sandboxes held at once for the density figure.
+    #[arg(long, default_value_t = 100)]
+    idle: usize,
+    /// The guest agent binary, for the cold-boot figure.
+    #[arg(long, env = "SHOAL_GUEST_AGENT")]
+    guest_agent: Option<PathBuf>,
+}
+
+/// `{"n","p50","p95","p99","max"}` of samples in milliseconds.
+pub fn summary(samples: &[f64]) -> serde_json::Value {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pick = |q: f64| -> f64 {
+        if sorted.is_empty() {
+            return 0.0;
+        }
+        let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+        round(sorted[rank - 1])
+    };
+    json!({
+        "n": sorted.len(),
+        "p50": pick(0.50),
+        "p95": pick(0.95),
+        "p99": pick(0.99),
+        "max": sorted.last().copied().map(round).unwrap_or(0.0),
+    })
+}
+
+fn round(v: f64) -> f64 {
+    (v * 10.0).round() / 10.0
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
+}
+
+pub async fn engine(args: EngineBenchArgs) -> Result<()> {
+    let engine = args.engine.open().await?;
+    let template = args.template.as_str();
+    engine.template(template).with_context(|| {
+        format!("template {template} is not ready; run `shoal template build {template}`")
+    })?;
+    let result = run(&engine, &args).await;
+    engine.kill_all().await;
+    let report = result?;
+    std::fs::write(&args.json, serde_json::to_vec_pretty(&report)?)
+        .with_context(|| format!("writing {}", args.json.display()))?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+async fn run(engine: &Engine, args: &EngineBenchArgs) -> Result<serde_json::Value> {
+    let template = args.template.as_str();
+    let progress = indicatif::ProgressBar::new((args.samples * 2) as u64);
+    progress.set_message("create");
+
+    let mut create_ms = Vec::new();
+    for _ in 0..args.samples {
+        let start = Instant::now();
+        let sandbox = engine.create(template, None).await?;
+        create_ms.push(ms(start));
+        engine.kill(&sandbox.id).await?;
+        progress.inc(1);
+    }
+
+    let mut create_exec_ms = Vec::new();
+    for _ in 0..args.samples {
+        let start = Instant::now();
+        let sandbox = engine.create(template, None).await?;
+        let agent = engine.agent(&sandbox.id).await?;
+        let out = agent.exec_collect(exec("true")).await?;
+        create_exec_ms.push(ms(start));
+        anyhow::ensure!(out.status.code == Some(0), "`true` failed in the guest");
+        engine.kill(&sandbox.id).await?;
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+
+    let sandbox = engine.create(template, None).await?;
+    let agent = engine.agent(&sandbox.id).await?;
+    let mut exec_rtt_ms = Vec::new();
+    for _ in 0..args.exec_samples {
+        let start = Instant::now();
+        let out = agent.exec_collect(exec("true")).await?;
+        exec_rtt_ms.push(ms(start));
+        anyhow::ensure!(out.status.code == Some(0), "`true` failed in the guest");
+    }
+
+    // Fork a sandbox that is doing something: a Python process holding state.
+    agent
+        .exec_collect(exec(
+            "nohup python3 -c 'import time\nn=0\nwhile True:\n    n+=1\n    time.sleep(0.01)' >/dev/null 2>&1 &",
+        ))
+        .await?;
+    let mut fork_first_ms = Vec::new();
+    let mut fork_all_ms = Vec::new();
+    for _ in 0..args.fork_samples {
+        let start = Instant::now();
+        let fork = engine.fork(&sandbox.id, 16).await?;
+        fork_all_ms.push(ms(start));
+        let first = fork
+            .children
+            .iter()
+            .map(|c| c.restore_ms)
+            .fold(f64::INFINITY, f64::min);
+        fork_first_ms.push(fork.capture_ms + first);
+        for child in fork.children {
+            engine.kill(&child.id).await?;
+        }
+    }
+    engine.kill(&sandbox.id).await?;
+
+    let mut idle = Vec::new();
+    for _ in 0..args.idle {
+        idle.push(engine.create(template, None).await?.id);
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut pss_total = 0u64;
+    let mut answered = 0usize;
+    for id in &idle {
+        if let Some(usage) = engine.usage(id)? {
+            pss_total += usage.pss_bytes;
+        }
+        let agent = engine.agent(id).await?;
+        if tokio::time::timeout(Duration::from_secs(10), agent.ping()).await.is_ok_and(|r| r.is_ok()) {
+            answered += 1;
+        }
+    }
+    for id in &idle {
+        engine.kill(id).await?;
+    }
+
+    let cold_boot_ms = match super::guest_agent_path(args.guest_agent.clone()) {
+        Ok(agent) => Some(engine.measure_cold_boot(template, &agent).await?),
+        Err(_) => None,
+    };
+
+    Ok(json!({
+        "accel": engine.accel().as_str(),
+        "template": template,
+        "qemu": engine.qemu_version(),
+        "create_ms": summary(&create_ms),
+        "create_exec_ms": summary(&create_exec_ms),
+        "exec_rtt_ms": summary(&exec_rtt_ms),
+        "fork16_first_ms": summary(&fork_first_ms),
+        "fork16_all_ms": summary(&fork_all_ms),
+        "idle_count": answered,
+        "idle_pss_mib": round(pss_total as f64 / idle.len().max(1) as f64 / (1 << 20) as f64),
+        "cold_boot_ms": cold_boot_ms.map(round),
+    }))
+}
+
+fn exec(cmd: &str) -> ExecRequest {
+    ExecRequest {
+        cmd: cmd.to_string(),
+        timeout: Some(Duration::from_secs(60)),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_uses_nearest_rank_percentiles() {
+        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
+        let s = summary(&samples);
+        assert_eq!(s["n"], 100);
+        assert_eq!(s["p50"], 50.0);
+        assert_eq!(s["p95"], 95.0);
+        assert_eq!(s["p99"], 99.0);
+        assert_eq!(s["max"], 100.0);
+    }
+}

@@ -1,0 +1,383 @@
+//! Baking a template: build its image, boot it once, wait for the guest
+//! agent, warm it, and save memory, device state and disk as the snapshot
+//! every create restores.
+//!
+//! A bake is identified by the hash of all its inputs (the image's input
+//! hash, the QEMU build, the accelerator, the machine layout, the kernel
+//! command line, vCPUs and memory); a bake whose hash exists is reused, so
+//! `shoal template build` is idempotent and a QEMU upgrade rebakes.
+//! Everything is written under `<hash>.tmp` and renamed when whole.
+
+use crate::accel::{self, Accel};
+use crate::error::{EngineError, IoContext, Result};
+use crate::manifest::{now_unix_ms, Kind, Manifest};
+use crate::qemu::{self, Boot, LaunchSpec, MACHINE_LAYOUT_VERSION};
+use crate::vm::{connect_unix, kill_process_group, with_qemu_log};
+use crate::{lock_file, Engine};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use shoal_proto::client::{AgentClient, ExecRequest};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How long a cold boot may take to reach the guest agent (TCG is slow).
+const BOOT_DEADLINE: Duration = Duration::from_secs(300);
+
+/// Where bake progress goes: the CLI passes a `MultiProgress`; tests pass a
+/// hidden one.
+pub type BakeProgress = indicatif::MultiProgress;
+
+impl Engine {
+    /// Builds (or finds) template `name` and returns its manifest.
+    pub async fn build_template(
+        &self,
+        name: &str,
+        guest_agent: &Path,
+        progress: &BakeProgress,
+    ) -> Result<Manifest> {
+        let spec = shoal_image::find_template(name)
+            .ok_or_else(|| EngineError::UnknownTemplate(name.to_string()))?;
+        // One bake of a template at a time, across processes sharing the cache.
+        let template_dir = self.config.cache_dir.join("templates").join(name);
+        std::fs::create_dir_all(&template_dir)
+            .io_context(|| format!("creating {}", template_dir.display()))?;
+        let _bake_lock = lock_file(&template_dir.join("bake.lock"), true)?;
+        let cache_dir = self.config.cache_dir.clone();
+        let agent = guest_agent.to_path_buf();
+        let image_progress = progress.clone();
+        let image_spec = spec.clone();
+        let artifacts = tokio::task::spawn_blocking(move || {
+            shoal_image::build(
+                &image_spec,
+                &shoal_image::BuildOptions {
+                    state_dir: &cache_dir,
+                    guest_agent: &agent,
+                    progress: &image_progress,
+                },
+            )
+        })
+        .await
+        .expect("image build does not panic")?;
+
+        let cmdline = self.kernel_cmdline();
+        let hash = bake_hash(&[
+            &artifacts.input_hash,
+            &self.qemu_version,
+            self.accel.as_str(),
+            &MACHINE_LAYOUT_VERSION.to_string(),
+            &cmdline,
+            &spec.vcpus.to_string(),
+            &spec.memory_mib.to_string(),
+            warmup_command(name).unwrap_or(""),
+        ]);
+        let final_dir = template_dir.join(&hash);
+        if let Ok(manifest) = Manifest::load(&final_dir) {
+            set_current(&template_dir, &hash)?;
+            return Ok(manifest);
+        }
+        let bar = progress.add(indicatif::ProgressBar::new_spinner());
+        bar.set_style(spinner_style());
+        bar.enable_steady_tick(Duration::from_millis(120));
+        bar.set_message(format!("{name}: booting the template VM ({})", self.accel));
+        let tmp_dir = template_dir.join(format!("{hash}.tmp"));
+        let _ = std::fs::remove_dir_all(&tmp_dir);
+        std::fs::create_dir_all(&tmp_dir).io_context(|| format!("creating {}", tmp_dir.display()))?;
+        let result = self
+            .boot_and_save(name, &spec, &artifacts, &cmdline, &hash, &tmp_dir, &final_dir, &bar)
+            .await;
+        let manifest = match result {
+            Ok(manifest) => manifest,
+            Err(e) => {
+                bar.abandon_with_message(format!("{name}: bake failed"));
+                let e = with_qemu_log(e, &tmp_dir);
+                let _ = std::fs::remove_dir_all(&tmp_dir);
+                return Err(e);
+            }
+        };
+        for leftover in ["qmp.sock", "agent.sock", "qemu.log"] {
+            let _ = std::fs::remove_file(tmp_dir.join(leftover));
+        }
+        std::fs::rename(&tmp_dir, &final_dir)
+            .io_context(|| format!("renaming {}", tmp_dir.display()))?;
+        set_current(&template_dir, &hash)?;
+        bar.finish_with_message(format!("{name}: baked ({hash:.12})"));
+        Ok(manifest)
+    }
+
+    fn kernel_cmdline(&self) -> String {
+        let mut cmdline = shoal_image::kernel_cmdline().to_string();
+        if self.accel == Accel::Tcg {
+            // With several vCPUs under TCG the guest's own TSC calibration
+            // fails and boot hangs; TCG's TSC is the host's, so say its rate.
+            if let Some(khz) = accel::host_tsc_khz(&self.config.proc_root.join("cpuinfo")) {
+                cmdline.push_str(&format!(" tsc_early_khz={khz} tsc=reliable"));
+            }
+        }
+        cmdline
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn boot_and_save(
+        &self,
+        name: &str,
+        spec: &shoal_image::TemplateSpec,
+        artifacts: &shoal_image::Artifacts,
+        cmdline: &str,
+        hash: &str,
+        dir: &Path,
+        final_dir: &Path,
+        bar: &indicatif::ProgressBar,
+    ) -> Result<Manifest> {
+        let memory_file = dir.join("memory");
+        let memory = std::fs::File::create(&memory_file)
+            .io_context(|| format!("creating {}", memory_file.display()))?;
+        memory
+            .set_len(u64::from(spec.memory_mib) << 20)
+            .io_context(|| format!("sizing {}", memory_file.display()))?;
+        drop(memory);
+        let base = Manifest {
+            id: format!("tpl-{name}"),
+            kind: Kind::Template,
+            template: name.to_string(),
+            vcpus: spec.vcpus,
+            memory_mib: spec.memory_mib,
+            memory_file: final_dir.join("memory"),
+            devices_file: final_dir.join("devices"),
+            disk_layers: vec![artifacts.rootfs.clone()],
+            depends_on: Vec::new(),
+            qemu_version: self.qemu_version.clone(),
+            accel: self.accel,
+            kernel_version: artifacts.kernel_version.clone(),
+            input_hash: hash.to_string(),
+            created_unix_ms: now_unix_ms(),
+        };
+        let overlay = self.empty_overlay(&base)?;
+        let disk_top = dir.join("disk.qcow2");
+        std::fs::copy(&overlay, &disk_top).io_context(|| format!("creating {}", disk_top.display()))?;
+        let launch = LaunchSpec {
+            qemu: self.config.qemu.clone(),
+            accel: self.accel,
+            vcpus: spec.vcpus,
+            memory_mib: spec.memory_mib,
+            memory_file: memory_file.clone(),
+            memory_shared: true,
+            disk_layers: vec![artifacts.rootfs.clone()],
+            disk_top,
+            dir: dir.to_path_buf(),
+            boot: Boot::Kernel {
+                kernel: artifacts.kernel.clone(),
+                initramfs: artifacts.initramfs.clone(),
+                cmdline: cmdline.to_string(),
+            },
+        };
+        let booted = cold_boot(&launch).await?;
+        let ColdBoot { mut child, pid, qmp, agent, boot_ms } = booted;
+        let outcome = async {
+            bar.set_message(format!("{name}: guest agent up after {:.1}s; warming", boot_ms / 1000.0));
+            if let Some(command) = warmup_command(name) {
+                let output = agent
+                    .exec_collect(ExecRequest {
+                        cmd: command.to_string(),
+                        timeout: Some(Duration::from_secs(600)),
+                        ..ExecRequest::default()
+                    })
+                    .await?;
+                if output.status.code != Some(0) {
+                    return Err(EngineError::Qemu {
+                        message: format!(
+                            "warm-up command failed in the template: {}",
+                            String::from_utf8_lossy(&output.stderr).trim()
+                        ),
+                    });
+                }
+            }
+            agent.sync().await?;
+            bar.set_message(format!("{name}: saving the snapshot"));
+            qmp.stop().await?;
+            qmp.execute_value(
+                "xen-save-devices-state",
+                Some(json!({"filename": dir.join("devices").display().to_string(), "live": true})),
+            )
+            .await?;
+            qmp.quit().await?;
+            Ok::<(), EngineError>(())
+        }
+        .await;
+        drop(agent);
+        if outcome.is_err() {
+            kill_process_group(pid);
+        }
+        let _ = child.wait().await;
+        outcome?;
+        let manifest = Manifest {
+            disk_layers: vec![artifacts.rootfs.clone(), final_dir.join("disk.qcow2")],
+            created_unix_ms: now_unix_ms(),
+            ..base
+        };
+        manifest.store(dir)?;
+        Ok(manifest)
+    }
+}
+
+struct ColdBoot {
+    child: tokio::process::Child,
+    pid: u32,
+    qmp: shoal_qmp::Qmp,
+    agent: AgentClient,
+    boot_ms: f64,
+}
+
+/// Boots `launch` from its kernel and waits for the guest agent. On failure
+/// the QEMU process is killed.
+async fn cold_boot(launch: &LaunchSpec) -> Result<ColdBoot> {
+    let started = std::time::Instant::now();
+    let mut child = launch.spawn(None)?;
+    let pid = child.id().unwrap_or(0);
+    let dir = &launch.dir;
+    let connected = async {
+        let qmp = shoal_qmp::Qmp::connect_with_deadline(&qemu::qmp_socket(dir), Duration::from_secs(10)).await?;
+        let stream = connect_unix(&qemu::agent_socket(dir), Duration::from_secs(10)).await?;
+        let agent = tokio::select! {
+            agent = tokio::time::timeout(BOOT_DEADLINE, AgentClient::connect(stream)) => agent
+                .map_err(|_| EngineError::Timeout("waiting for the guest agent to boot".into()))??,
+            status = child.wait() => return Err(EngineError::Qemu {
+                message: format!("QEMU exited during boot ({})", status.map(|s| s.to_string()).unwrap_or_default()),
+            }),
+        };
+        Ok::<_, EngineError>((qmp, agent))
+    }
+    .await;
+    match connected {
+        Ok((qmp, agent)) => Ok(ColdBoot {
+            child,
+            pid,
+            qmp,
+            agent,
+            boot_ms: started.elapsed().as_secs_f64() * 1000.0,
+        }),
+        Err(e) => {
+            kill_process_group(pid);
+            let _ = child.wait().await;
+            Err(e)
+        }
+    }
+}
+
+impl Engine {
+    /// Boots template `name` from its kernel, as a bake does, and returns the
+    /// milliseconds until its guest agent answered: the cost a restore saves.
+    pub async fn measure_cold_boot(&self, name: &str, guest_agent: &Path) -> Result<f64> {
+        let spec = shoal_image::find_template(name)
+            .ok_or_else(|| EngineError::UnknownTemplate(name.to_string()))?;
+        let cache_dir = self.config.cache_dir.clone();
+        let agent = guest_agent.to_path_buf();
+        let image_spec = spec.clone();
+        let artifacts = tokio::task::spawn_blocking(move || {
+            shoal_image::build(
+                &image_spec,
+                &shoal_image::BuildOptions {
+                    state_dir: &cache_dir,
+                    guest_agent: &agent,
+                    progress: &indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden()),
+                },
+            )
+        })
+        .await
+        .expect("image build does not panic")?;
+        // Under vms/, so a crash mid-measurement is reaped like any VM.
+        let dir = self.vm_dir(&format!("coldboot-{}", &crate::new_sandbox_id()[3..]));
+        std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;
+        let result = async {
+            let memory_file = dir.join("memory");
+            std::fs::File::create(&memory_file)
+                .and_then(|f| f.set_len(u64::from(spec.memory_mib) << 20))
+                .io_context(|| format!("creating {}", memory_file.display()))?;
+            let probe = Manifest {
+                id: String::new(),
+                kind: Kind::Template,
+                template: name.to_string(),
+                vcpus: spec.vcpus,
+                memory_mib: spec.memory_mib,
+                memory_file: memory_file.clone(),
+                devices_file: PathBuf::new(),
+                disk_layers: vec![artifacts.rootfs.clone()],
+                depends_on: Vec::new(),
+                qemu_version: String::new(),
+                accel: self.accel,
+                kernel_version: String::new(),
+                input_hash: String::new(),
+                created_unix_ms: 0,
+            };
+            let disk_top = dir.join("disk.qcow2");
+            std::fs::copy(self.empty_overlay(&probe)?, &disk_top)
+                .io_context(|| format!("creating {}", disk_top.display()))?;
+            let launch = LaunchSpec {
+                qemu: self.config.qemu.clone(),
+                accel: self.accel,
+                vcpus: spec.vcpus,
+                memory_mib: spec.memory_mib,
+                memory_file,
+                memory_shared: true,
+                disk_layers: vec![artifacts.rootfs.clone()],
+                disk_top,
+                dir: dir.clone(),
+                boot: Boot::Kernel {
+                    kernel: artifacts.kernel.clone(),
+                    initramfs: artifacts.initramfs.clone(),
+                    cmdline: self.kernel_cmdline(),
+                },
+            };
+            let mut booted = cold_boot(&launch).await?;
+            kill_process_group(booted.pid);
+            let _ = booted.child.wait().await;
+            Ok(booted.boot_ms)
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&dir);
+        result
+    }
+}
+
+/// Run once in the template before its snapshot, so every clone starts with
+/// the work already done (imports compiled and in the page cache).
+fn warmup_command(template: &str) -> Option<&'static str> {
+    match template {
+        "code-interpreter" => Some("python3 -c 'import numpy, pandas, matplotlib; matplotlib.use(\"Agg\"); import matplotlib.pyplot'"),
+        _ => None,
+    }
+}
+
+fn bake_hash(parts: &[&str]) -> String {
+    let mut hasher = Sha256::new();
+    for part in parts {
+        hasher.update((part.len() as u64).to_le_bytes());
+        hasher.update(part.as_bytes());
+    }
+    hex::encode(hasher.finalize())
+}
+
+fn set_current(template_dir: &Path, hash: &str) -> Result<()> {
+    let path: PathBuf = template_dir.join("current");
+    let tmp = template_dir.join("current.tmp");
+    std::fs::write(&tmp, hash).io_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).io_context(|| format!("writing {}", path.display()))
+}
+
+fn spinner_style() -> indicatif::ProgressStyle {
+    indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+        .expect("static template")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bake_hash_changes_with_any_input() {
+        let a = bake_hash(&["img", "qemu 7.2", "tcg"]);
+        assert_eq!(a, bake_hash(&["img", "qemu 7.2", "tcg"]));
+        assert_ne!(a, bake_hash(&["img", "qemu 8.0", "tcg"]));
+        assert_ne!(a, bake_hash(&["img", "qemu 7.2", "kvm"]));
+        assert_ne!(bake_hash(&["ab", "c"]), bake_hash(&["a", "bc"]));
+    }
+}

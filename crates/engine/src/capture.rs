@@ -1,0 +1,136 @@
+//! Capturing a running VM's whole state (memory, devices, disk) into a
+//! restorable [`Manifest`]: the one mechanism behind fork, snapshot and
+//! hibernate.
+//!
+//! Order matters: the source memory file is copied while the VM still runs
+//! (that file never changes), then the VM is paused, only the pages it
+//! changed are written over the copy, its device state is saved
+//! (`xen-save-devices-state`, no RAM) and its disk layer copied, all at one
+//! instant, so memory and disk agree. The pause is as long as the VM's own
+//! writes take to copy.
+
+use crate::error::{EngineError, IoContext, Result};
+use crate::manifest::{now_unix_ms, Kind, Manifest};
+use crate::memory;
+use crate::vm::{Vm, VmInner, VmState};
+use crate::Engine;
+use serde_json::json;
+
+pub(crate) async fn capture(
+    engine: &Engine,
+    vm: &Vm,
+    inner: &mut VmInner,
+    kind: Kind,
+    keep_running: bool,
+) -> Result<Manifest> {
+    let id = format!("{}-{}", kind_prefix(kind), &crate::new_sandbox_id()[3..]);
+    let final_dir = engine.captures_dir().join(&id);
+    let dir = engine.captures_dir().join(format!("{id}.tmp"));
+    std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;
+    let result = capture_into(engine, vm, inner, kind, keep_running, &id, &dir, &final_dir).await;
+    match result {
+        Ok(manifest) => {
+            std::fs::rename(&dir, &final_dir)
+                .io_context(|| format!("renaming {}", dir.display()))?;
+            Ok(manifest)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Err(e)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn capture_into(
+    engine: &Engine,
+    vm: &Vm,
+    inner: &mut VmInner,
+    kind: Kind,
+    keep_running: bool,
+    id: &str,
+    dir: &std::path::Path,
+    final_dir: &std::path::Path,
+) -> Result<Manifest> {
+    let live = inner.live.as_ref().ok_or_else(|| EngineError::WrongState {
+        id: vm.id.clone(),
+        state: inner.state.as_str(),
+        wanted: "running",
+    })?;
+    let source = inner.source.clone();
+    let memory_copy = dir.join("memory");
+    let src = source.memory_file.clone();
+    let dst = memory_copy.clone();
+    tokio::task::spawn_blocking(move || memory::copy_sparse(&src, &dst))
+        .await
+        .expect("copy task does not panic")?;
+
+    let was_running = inner.state == VmState::Running;
+    live.qmp.stop().await?;
+    let paused = async {
+        let proc_root = engine.config.proc_root.clone();
+        let pid = live.pid;
+        let src = source.memory_file.clone();
+        let dst = memory_copy.clone();
+        tokio::task::spawn_blocking(move || -> Result<u64> {
+            let mappings = memory::find_mappings(&proc_root, pid, &src)?;
+            if mappings.is_empty() {
+                return Err(EngineError::Qemu {
+                    message: format!("guest memory {} is not mapped by QEMU", src.display()),
+                });
+            }
+            let runs = memory::changed_runs(&proc_root, pid, &mappings)?;
+            memory::write_changed_pages(&proc_root, pid, &runs, &dst)
+        })
+        .await
+        .expect("page copy task does not panic")?;
+        let devices = dir.join("devices");
+        live.qmp
+            .execute_value(
+                "xen-save-devices-state",
+                Some(json!({"filename": devices.display().to_string(), "live": true})),
+            )
+            .await?;
+        // QEMU flushed the disk when it stopped, so the layer file is whole.
+        memory::copy_sparse(&vm.dir.join("disk.qcow2"), &dir.join("disk.qcow2"))?;
+        Ok::<(), EngineError>(())
+    }
+    .await;
+    if keep_running && was_running {
+        live.qmp.cont().await?;
+    }
+    paused?;
+
+    let mut disk_layers = source.disk_layers.clone();
+    disk_layers.push(final_dir.join("disk.qcow2"));
+    let mut depends_on = source.captures_needed();
+    depends_on.sort();
+    depends_on.dedup();
+    let manifest = Manifest {
+        id: id.to_string(),
+        kind,
+        template: source.template.clone(),
+        vcpus: source.vcpus,
+        memory_mib: source.memory_mib,
+        memory_file: final_dir.join("memory"),
+        devices_file: final_dir.join("devices"),
+        disk_layers,
+        depends_on,
+        qemu_version: source.qemu_version.clone(),
+        accel: source.accel,
+        kernel_version: source.kernel_version.clone(),
+        input_hash: source.input_hash.clone(),
+        created_unix_ms: now_unix_ms(),
+    };
+    manifest.store(dir)?;
+    Ok(manifest)
+}
+
+fn kind_prefix(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Template => "tpl",
+        Kind::Fork => "fork",
+        Kind::Snapshot => "snap",
+        Kind::Hibernate => "hib",
+    }
+}

@@ -1,0 +1,322 @@
+//! QEMU command lines and processes: the one place that knows QEMU's flags.
+//!
+//! Owns: the `microvm` machine layout (which devices, in which order), the
+//! accelerator flags, the seccomp sandbox, the disk chain as `-blockdev`
+//! nodes, and starting QEMU in its own process group inside the VM's
+//! directory. Does not decide what to run: the engine hands it a
+//! [`LaunchSpec`]. Device order is part of every baked snapshot, so changing
+//! it must bump [`MACHINE_LAYOUT_VERSION`].
+
+use crate::accel::Accel;
+use crate::error::{IoContext, Result};
+use std::ffi::OsString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use tokio::process::Command as AsyncCommand;
+
+/// Bumped whenever the device layout or anything else that a snapshot's
+/// device state depends on changes; it is part of every bake's input hash.
+pub const MACHINE_LAYOUT_VERSION: u32 = 1;
+
+/// The descriptor number the device state file is handed to QEMU on.
+pub const INCOMING_FD: i32 = 3;
+
+/// Size of the TCG translation cache per VM. Small on purpose: it is most of
+/// an idle clone's private memory.
+const TCG_TB_SIZE_MIB: u32 = 16;
+
+/// How one VM is started: a cold boot (baking a template) or a restore.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub qemu: PathBuf,
+    pub accel: Accel,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// The guest RAM file: mapped shared while baking (the bake writes the
+    /// template's memory), private (copy-on-write) for every restore.
+    pub memory_file: PathBuf,
+    pub memory_shared: bool,
+    /// Read-only layers, bottom first: a raw image, then qcow2 layers.
+    pub disk_layers: Vec<PathBuf>,
+    /// The VM's own writable qcow2 layer on top of `disk_layers`.
+    pub disk_top: PathBuf,
+    /// Per-VM directory: sockets, console log, QEMU's own log.
+    pub dir: PathBuf,
+    pub boot: Boot,
+}
+
+#[derive(Debug, Clone)]
+pub enum Boot {
+    /// Boot a kernel (only when baking).
+    Kernel {
+        kernel: PathBuf,
+        initramfs: PathBuf,
+        cmdline: String,
+    },
+    /// Restore device state from the file given as descriptor
+    /// [`INCOMING_FD`]; guest RAM is already in `memory_file`.
+    Restore,
+}
+
+pub fn qmp_socket(dir: &Path) -> PathBuf {
+    dir.join("qmp.sock")
+}
+
+pub fn agent_socket(dir: &Path) -> PathBuf {
+    dir.join("agent.sock")
+}
+
+pub fn console_log(dir: &Path) -> PathBuf {
+    dir.join("console.log")
+}
+
+pub fn qemu_log(dir: &Path) -> PathBuf {
+    dir.join("qemu.log")
+}
+
+impl LaunchSpec {
+    /// The full argument list (without the program name).
+    pub fn args(&self) -> Vec<OsString> {
+        let mut args: Vec<OsString> = Vec::new();
+        let mut push = |s: &str| args.push(s.into());
+        push("-name");
+        push("shoal");
+        // PIT, PIC and RTC stay on: the guest kernel calibrates its clocks
+        // with them, and option ROMs stay on because microvm loads the kernel
+        // through one.
+        push("-M");
+        push("microvm");
+        match self.accel {
+            Accel::Kvm => {
+                push("-accel");
+                push("kvm");
+                push("-cpu");
+                push("host");
+            }
+            Accel::Tcg => {
+                push("-accel");
+                push(&format!("tcg,tb-size={TCG_TB_SIZE_MIB}"));
+                push("-cpu");
+                push("max");
+            }
+        }
+        push("-smp");
+        push(&self.vcpus.to_string());
+        push("-m");
+        push(&format!("{}M", self.memory_mib));
+        push("-object");
+        push(&format!(
+            "memory-backend-file,id=ram,size={}M,mem-path={},share={},prealloc=off",
+            self.memory_mib,
+            self.memory_file.display(),
+            if self.memory_shared { "on" } else { "off" }
+        ));
+        push("-machine");
+        push("memory-backend=ram");
+        for flag in ["-nodefaults", "-no-user-config", "-nographic"] {
+            push(flag);
+        }
+        push("-display");
+        push("none");
+        push("-serial");
+        push(&format!("file:{}", console_log(&self.dir).display()));
+        // The sandbox forbids QEMU to spawn processes or gain privileges; it
+        // is why migration targets are handed over as descriptors.
+        push("-sandbox");
+        push("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny");
+        push("-qmp");
+        push(&format!("unix:{},server=on,wait=off", qmp_socket(&self.dir).display()));
+        // Devices, in a fixed order (see MACHINE_LAYOUT_VERSION).
+        push("-device");
+        push("virtio-serial-device");
+        push("-chardev");
+        push(&format!(
+            "socket,id=agent,path={},server=on,wait=off",
+            agent_socket(&self.dir).display()
+        ));
+        push("-device");
+        push(&format!(
+            "virtserialport,chardev=agent,name={}",
+            shoal_proto::AGENT_PORT_NAME
+        ));
+        push("-device");
+        push("virtio-rng-device");
+        for blockdev in self.blockdevs() {
+            push("-blockdev");
+            push(&blockdev);
+        }
+        push("-device");
+        push("virtio-blk-device,drive=root");
+        match &self.boot {
+            Boot::Kernel {
+                kernel,
+                initramfs,
+                cmdline,
+            } => {
+                push("-kernel");
+                push(&kernel.display().to_string());
+                push("-initrd");
+                push(&initramfs.display().to_string());
+                push("-append");
+                push(cmdline);
+            }
+            Boot::Restore => {
+                // Device state is saved without the configuration section
+                // (xen-save-devices-state), so the restoring side must not
+                // expect one. No -kernel here: it would hold a copy of the
+                // kernel in every clone's heap for nothing.
+                push("-global");
+                push("migration.send-configuration=off");
+                push("-incoming");
+                push("defer");
+            }
+        }
+        args
+    }
+
+    fn blockdevs(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut below: Option<String> = None;
+        for (index, layer) in self.disk_layers.iter().enumerate() {
+            let file_node = format!("f{index}");
+            let node = format!("l{index}");
+            out.push(format!(
+                "driver=file,filename={},node-name={file_node},read-only=on",
+                layer.display()
+            ));
+            let format = if is_qcow2(layer) { "qcow2" } else { "raw" };
+            let backing = match (&below, format) {
+                (Some(b), "qcow2") => format!(",backing={b}"),
+                (None, "qcow2") => ",backing=null".to_string(),
+                _ => String::new(),
+            };
+            out.push(format!(
+                "driver={format},file={file_node},node-name={node},read-only=on{backing}"
+            ));
+            below = Some(node);
+        }
+        out.push(format!(
+            "driver=file,filename={},node-name=ftop",
+            self.disk_top.display()
+        ));
+        let backing = match &below {
+            Some(b) => format!(",backing={b}"),
+            None => ",backing=null".to_string(),
+        };
+        out.push(format!("driver=qcow2,file=ftop,node-name=root{backing}"));
+        out
+    }
+
+    /// Starts QEMU in its own process group with the VM directory as its
+    /// working directory; `incoming` becomes descriptor [`INCOMING_FD`].
+    pub fn spawn(&self, incoming: Option<OwnedFd>) -> Result<tokio::process::Child> {
+        let log = std::fs::File::create(qemu_log(&self.dir))
+            .io_context(|| format!("creating {}", qemu_log(&self.dir).display()))?;
+        let mut command = AsyncCommand::new(&self.qemu);
+        command
+            .args(self.args())
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().io_context(|| "cloning log handle".into())?)
+            .stderr(log)
+            .process_group(0)
+            .kill_on_drop(false);
+        if let Some(fd) = incoming {
+            let raw = fd.as_raw_fd();
+            // SAFETY: between fork and exec only async-signal-safe calls are
+            // made (dup2, fcntl); `fd` stays open in the parent until spawn
+            // returns because it is moved into this closure.
+            unsafe {
+                command.pre_exec(move || {
+                    let _keep = &fd;
+                    if raw == INCOMING_FD {
+                        let flags = libc::fcntl(raw, libc::F_GETFD);
+                        libc::fcntl(raw, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+                    } else if libc::dup2(raw, INCOMING_FD) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        command
+            .spawn()
+            .io_context(|| format!("starting {}", self.qemu.display()))
+    }
+}
+
+pub fn is_qcow2(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "qcow2")
+}
+
+/// Identifies the QEMU build: its `--version` banner, compared as an opaque
+/// string (a snapshot is only restored by the very build that made it).
+pub fn version_id(qemu: &Path) -> Result<String> {
+    let output = Command::new(qemu)
+        .arg("--version")
+        .output()
+        .io_context(|| format!("running {} --version", qemu.display()))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    Ok(text.lines().next().unwrap_or("").trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(boot: Boot) -> LaunchSpec {
+        LaunchSpec {
+            qemu: "qemu-system-x86_64".into(),
+            accel: Accel::Tcg,
+            vcpus: 8,
+            memory_mib: 2048,
+            memory_file: "/t/memory".into(),
+            memory_shared: false,
+            disk_layers: vec!["/i/rootfs.img".into(), "/t/disk.qcow2".into()],
+            disk_top: "/v/disk.qcow2".into(),
+            dir: "/v".into(),
+            boot,
+        }
+    }
+
+    fn joined(spec: &LaunchSpec) -> String {
+        spec.args()
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn restore_maps_memory_privately_and_defers_incoming() {
+        let args = joined(&spec(Boot::Restore));
+        assert!(args.contains("mem-path=/t/memory,share=off"));
+        assert!(args.contains("-incoming defer"));
+        assert!(args.contains("migration.send-configuration=off"));
+        assert!(!args.contains("-kernel"));
+        assert!(args.contains("spawn=deny"));
+    }
+
+    #[test]
+    fn disk_chain_links_each_layer_to_the_one_below() {
+        let args = joined(&spec(Boot::Restore));
+        assert!(args.contains("driver=raw,file=f0,node-name=l0,read-only=on "));
+        assert!(args.contains("driver=qcow2,file=f1,node-name=l1,read-only=on,backing=l0"));
+        assert!(args.contains("driver=qcow2,file=ftop,node-name=root,backing=l1"));
+    }
+
+    #[test]
+    fn baking_boots_the_kernel_on_shared_memory() {
+        let mut s = spec(Boot::Kernel {
+            kernel: "/k".into(),
+            initramfs: "/i".into(),
+            cmdline: "console=ttyS0".into(),
+        });
+        s.memory_shared = true;
+        let args = joined(&s);
+        assert!(args.contains("share=on"));
+        assert!(args.contains("-kernel /k -initrd /i -append console=ttyS0"));
+        assert!(!args.contains("-incoming"));
+    }
+}

@@ -1,0 +1,242 @@
+//! One running (or hibernated) VM: its QEMU process, QMP session, guest
+//! agent connection and directory, and the restore that brings it up.
+//!
+//! A VM is only ever created by restoring a [`Manifest`]; cold boots happen
+//! only while baking a template (`bake.rs`). Restore returns once the guest
+//! agent has answered with the VM's new identity.
+
+use crate::accel::Accel;
+use crate::error::{EngineError, IoContext, Result};
+use crate::manifest::{write_json_atomically, Manifest};
+use crate::qemu::{self, Boot, LaunchSpec};
+use serde::{Deserialize, Serialize};
+use shoal_proto::client::AgentClient;
+use shoal_qmp::Qmp;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub const VM_FILE: &str = "vm.json";
+
+/// How long a restored guest may take to answer its agent.
+const RESTORE_DEADLINE: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VmState {
+    Running,
+    Paused,
+    Hibernated,
+}
+
+impl VmState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VmState::Running => "running",
+            VmState::Paused => "paused",
+            VmState::Hibernated => "hibernated",
+        }
+    }
+}
+
+/// What is written to `vm.json`, so a restarted engine can find the process
+/// a crashed run left behind, or wake a hibernated VM.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub id: String,
+    pub pid: Option<u32>,
+    pub state: VmState,
+    pub source: Manifest,
+    pub created_unix_ms: u64,
+}
+
+pub(crate) struct Live {
+    pub child: tokio::process::Child,
+    pub pid: u32,
+    pub qmp: Qmp,
+    pub agent: AgentClient,
+}
+
+pub struct Vm {
+    pub id: String,
+    pub dir: PathBuf,
+    pub(crate) inner: tokio::sync::Mutex<VmInner>,
+    /// Mirrors `inner.state` for lock-free reads (listing, metering).
+    pub(crate) state_now: Mutex<(VmState, Option<u32>)>,
+    pub created_unix_ms: u64,
+    pub restore_ms: Mutex<f64>,
+}
+
+pub(crate) struct VmInner {
+    pub state: VmState,
+    pub source: Manifest,
+    pub live: Option<Live>,
+}
+
+impl Vm {
+    pub fn state(&self) -> VmState {
+        self.state_now.lock().unwrap().0
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.state_now.lock().unwrap().1
+    }
+
+    pub(crate) fn set_state(&self, inner: &mut VmInner, state: VmState) {
+        inner.state = state;
+        let pid = inner.live.as_ref().map(|l| l.pid);
+        *self.state_now.lock().unwrap() = (state, pid);
+    }
+
+    pub(crate) fn record(&self, inner: &VmInner) -> VmRecord {
+        VmRecord {
+            id: self.id.clone(),
+            pid: inner.live.as_ref().map(|l| l.pid),
+            state: inner.state,
+            source: inner.source.clone(),
+            created_unix_ms: self.created_unix_ms,
+        }
+    }
+
+    pub(crate) fn store_record(&self, inner: &VmInner) -> Result<()> {
+        write_json_atomically(&self.dir.join(VM_FILE), &self.record(inner))
+    }
+}
+
+/// Everything `restore` needs from the engine.
+pub(crate) struct RestoreContext<'a> {
+    pub qemu: &'a Path,
+    pub accel: Accel,
+    pub empty_overlay: &'a Path,
+}
+
+/// Starts QEMU on `source`, loads its device state, and gives the guest its
+/// identity. On failure the process is killed and nothing of it is left in
+/// `dir` but what the caller removes.
+pub(crate) async fn restore(
+    ctx: &RestoreContext<'_>,
+    id: &str,
+    dir: &Path,
+    source: &Manifest,
+) -> Result<Live> {
+    let disk_top = dir.join("disk.qcow2");
+    std::fs::copy(ctx.empty_overlay, &disk_top)
+        .io_context(|| format!("creating {}", disk_top.display()))?;
+    let spec = LaunchSpec {
+        qemu: ctx.qemu.to_path_buf(),
+        accel: ctx.accel,
+        vcpus: source.vcpus,
+        memory_mib: source.memory_mib,
+        memory_file: source.memory_file.clone(),
+        memory_shared: false,
+        disk_layers: source.disk_layers.clone(),
+        disk_top,
+        dir: dir.to_path_buf(),
+        boot: Boot::Restore,
+    };
+    let devices = std::fs::File::open(&source.devices_file)
+        .io_context(|| format!("opening {}", source.devices_file.display()))?;
+    let mut child = spec.spawn(Some(devices.into()))?;
+    let pid = child.id().unwrap_or(0);
+    match connect_restored(dir, id, &mut child).await {
+        Ok((qmp, agent)) => Ok(Live {
+            child,
+            pid,
+            qmp,
+            agent,
+        }),
+        Err(e) => {
+            kill_process_group(pid);
+            let _ = child.wait().await;
+            Err(with_qemu_log(e, dir))
+        }
+    }
+}
+
+async fn connect_restored(
+    dir: &Path,
+    id: &str,
+    child: &mut tokio::process::Child,
+) -> Result<(Qmp, AgentClient)> {
+    let qmp = tokio::select! {
+        qmp = Qmp::connect_with_deadline(&qemu::qmp_socket(dir), Duration::from_secs(10)) => qmp?,
+        status = child.wait() => return Err(exited(status)),
+    };
+    // The agent's socket must be connected before the device state loads, so
+    // the guest sees the same "host connected" state it was saved with.
+    let stream = connect_unix(&qemu::agent_socket(dir), Duration::from_secs(5)).await?;
+    qmp.migrate_incoming(&format!("fd:{}", qemu::INCOMING_FD))
+        .await?;
+    let agent = tokio::select! {
+        agent = tokio::time::timeout(RESTORE_DEADLINE, AgentClient::connect(stream)) => match agent {
+            Ok(agent) => agent?,
+            Err(_) => return Err(EngineError::Timeout("waiting for the guest agent after restore".into())),
+        },
+        status = child.wait() => return Err(exited(status)),
+    };
+    give_identity(&agent, id).await?;
+    Ok((qmp, agent))
+}
+
+/// Hostname, wall clock and fresh entropy: what clones of one snapshot must
+/// never share.
+pub(crate) async fn give_identity(agent: &AgentClient, id: &str) -> Result<()> {
+    let mut entropy = [0u8; 64];
+    getrandom(&mut entropy);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    agent.identity(id, now, &entropy).await?;
+    Ok(())
+}
+
+fn getrandom(buffer: &mut [u8]) {
+    use rand::RngCore;
+    rand::rngs::OsRng.fill_bytes(buffer);
+}
+
+pub(crate) async fn connect_unix(path: &Path, deadline: Duration) -> Result<tokio::net::UnixStream> {
+    let start = Instant::now();
+    loop {
+        match tokio::net::UnixStream::connect(path).await {
+            Ok(stream) => return Ok(stream),
+            Err(e) if start.elapsed() > deadline => {
+                return Err(e).io_context(|| format!("connecting to {}", path.display()))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    }
+}
+
+fn exited(status: std::io::Result<std::process::ExitStatus>) -> EngineError {
+    EngineError::Qemu {
+        message: match status {
+            Ok(s) => format!("QEMU exited early ({s})"),
+            Err(e) => format!("QEMU exited early ({e})"),
+        },
+    }
+}
+
+/// Adds the tail of QEMU's own log to a failure, where QEMU says why.
+pub(crate) fn with_qemu_log(error: EngineError, dir: &Path) -> EngineError {
+    let log = std::fs::read_to_string(qemu::qemu_log(dir)).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().rev().take(5).collect();
+    if tail.is_empty() {
+        return error;
+    }
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    EngineError::Qemu {
+        message: format!("{}; QEMU said: {}", crate::error::chain(&error), tail.join(" | ")),
+    }
+}
+
+/// Kills QEMU's whole process group (it is its own group leader).
+pub(crate) fn kill_process_group(pid: u32) {
+    if pid > 1 {
+        // SAFETY: kill(2) with a negative pid signals that process group only.
+        unsafe {
+            libc::kill(-(pid as i32), libc::SIGKILL);
+        }
+    }
+}

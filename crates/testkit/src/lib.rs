@@ -1,0 +1,147 @@
+//! The harness every real-VM test shares.
+//!
+//! Owns: one tokio runtime per test binary (engine tasks must outlive any
+//! single test), one engine per test binary on a fixed state directory (so a
+//! crashed run's leftovers are reaped by the next), the guest agent build,
+//! templates built once into the shared cache, `wait_until`, and leak
+//! checks. Holds no assertions about product behaviour: tests do.
+
+use shoal_engine::{Engine, EngineConfig};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The runtime all of a binary's tests run on.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    })
+}
+
+/// Runs a test body on the shared runtime.
+pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    runtime().block_on(future)
+}
+
+/// The workspace root (two levels above this crate).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("crates/testkit sits two levels below the root")
+        .to_path_buf()
+}
+
+/// Where templates are cached across runs: `SHOAL_CACHE_DIR`, or the
+/// product's own default so a test run and `shoal up` share one bake.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("SHOAL_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/shoal"))
+}
+
+/// The release build of the guest agent, built once per test binary.
+pub fn guest_agent() -> &'static Path {
+    static AGENT: OnceLock<PathBuf> = OnceLock::new();
+    AGENT.get_or_init(|| {
+        let root = workspace_root();
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "--release", "--quiet", "-p", "shoal-guest-agent"])
+            .current_dir(&root)
+            .status()
+            .expect("running cargo build for the guest agent");
+        assert!(status.success(), "building the guest agent failed");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target"));
+        target.join("release").join("shoal-guest-agent")
+    })
+}
+
+/// A state directory of this test binary's own, fixed across runs.
+pub fn state_dir(binary: &str) -> PathBuf {
+    std::env::temp_dir().join("shoal-tests").join(binary)
+}
+
+/// The engine of this test binary, with `templates` built (once) first.
+pub fn engine(binary: &str, templates: &[&str]) -> &'static Engine {
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        block_on(async {
+            let mut config = EngineConfig::new(state_dir(binary));
+            config.cache_dir = cache_dir();
+            let engine = Engine::open(config).await.expect("opening the engine");
+            let progress = indicatif::MultiProgress::with_draw_target(
+                indicatif::ProgressDrawTarget::stderr(),
+            );
+            for name in templates {
+                engine
+                    .build_template(name, guest_agent(), &progress)
+                    .await
+                    .unwrap_or_else(|e| panic!("building template {name}: {}", shoal_engine::error::chain(&e)));
+            }
+            engine
+        })
+    })
+}
+
+/// Polls `condition` until it holds or `timeout` passes; returns whether it held.
+pub async fn wait_until<F, Fut>(timeout: Duration, mut condition: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Pids of live processes whose command line mentions `needle`.
+pub fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != std::process::id())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            !stat.contains(") Z ")
+        })
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// Everything under `dir` (recursively), as paths relative to it.
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path.clone());
+            }
+            out.push(path.strip_prefix(dir).unwrap_or(&path).to_path_buf());
+        }
+    }
+    out.sort();
+    out
+}
