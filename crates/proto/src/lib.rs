@@ -1,8 +1,9 @@
 //! The wire protocol between the host (the VM engine) and the guest agent.
 //!
-//! Owns: the message types in both directions and the frame format. It does
-//! no I/O of its own beyond reading and writing one frame on a stream the
-//! caller gives it; it knows nothing of QEMU, sandboxes or HTTP.
+//! Owns: the message types in both directions and the frame format, and
+//! (feature `tokio`) the host's async client in the `client` module. Apart from that
+//! client it does no I/O of its own beyond reading and writing one frame on
+//! a stream the caller gives it; it knows nothing of QEMU, sandboxes or HTTP.
 //!
 //! # Frames
 //!
@@ -88,10 +89,7 @@ pub enum HostMsg {
     /// Gives a restored or forked guest its own identity: sets the hostname,
     /// sets the wall clock, mixes the payload (host entropy) into the guest
     /// RNG and forces a reseed. Answered by `Done`.
-    Identity {
-        hostname: String,
-        unix_time_ns: u64,
-    },
+    Identity { hostname: String, unix_time_ns: u64 },
     /// Runs `cmd` with `/bin/sh -c` in a new session and process group.
     /// A timeout kills the whole process group.
     Exec {
@@ -150,6 +148,12 @@ pub enum HostMsg {
     Sync,
     /// Answered by `Pong`.
     Ping,
+    /// The host stopped listening to this call (its handle was dropped):
+    /// the guest sends nothing more under the id and never waits for its
+    /// credit. An exec keeps running with its output discarded; an upload
+    /// is abandoned where it stands (the partial file stays); a download
+    /// stops. Ignored for ids that are not running.
+    Cancel,
 }
 
 /// A message from the guest agent to the host.
@@ -163,7 +167,9 @@ pub enum GuestMsg {
     Done,
     Pong,
     /// The exec's process started.
-    Started { pid: u32 },
+    Started {
+        pid: u32,
+    },
     /// A chunk of stdout (payload).
     Stdout,
     /// A chunk of stderr (payload).
@@ -175,14 +181,21 @@ pub enum GuestMsg {
         timed_out: bool,
         duration_ms: u64,
     },
-    FileInfo { size: u64 },
+    FileInfo {
+        size: u64,
+    },
     /// A chunk of a download (payload).
     Data,
     /// End of a download.
     End,
-    DirEntries { entries: Vec<FileStat> },
+    DirEntries {
+        entries: Vec<FileStat>,
+    },
     Stat(FileStat),
-    Error { kind: ErrorKind, message: String },
+    Error {
+        kind: ErrorKind,
+        message: String,
+    },
 }
 
 impl GuestMsg {
@@ -326,7 +339,6 @@ pub fn read_frame<M: for<'de> Deserialize<'de>, R: Read>(
 ) -> Result<Frame<M>, ProtoError> {
     let mut window = [0u8; 4];
     let mut byte = [0u8; 1];
-    let mut seen = 0usize;
     while window != MAGIC {
         match reader.read_exact(&mut byte) {
             Ok(()) => {}
@@ -357,6 +369,10 @@ pub fn write_frame<M: Serialize, W: Write>(
     writer.flush().map_err(ProtoError::Io)
 }
 
+/// The host's async client of the agent, over one stream.
+#[cfg(feature = "tokio")]
+pub mod client;
+
 /// Async counterparts of [`read_frame`] and [`write_frame`] for the host.
 #[cfg(feature = "tokio")]
 pub mod asynchronous {
@@ -378,10 +394,13 @@ pub mod asynchronous {
             window = [window[1], window[2], window[3], byte];
         }
         let mut prefix = [0u8; 8];
-        reader.read_exact(&mut prefix).await.map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => ProtoError::Closed,
-            _ => ProtoError::Io(e),
-        })?;
+        reader
+            .read_exact(&mut prefix)
+            .await
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => ProtoError::Closed,
+                _ => ProtoError::Io(e),
+            })?;
         let (header_len, payload_len) = check_lengths(&prefix)?;
         let mut body = vec![0u8; header_len + payload_len];
         reader.read_exact(&mut body).await.map_err(ProtoError::Io)?;

@@ -1,0 +1,613 @@
+//! Runs one `Exec` call: `/bin/sh -c cmd` in its own session and process
+//! group, on pipes or a PTY, streaming its output under flow control until
+//! the shell has exited and its output is drained, then reporting `Exit`.
+//!
+//! Rules worth knowing:
+//! - The exec ends when the shell exits and its output pipes reach EOF, or
+//!   stay silent for [`DRAIN_IDLE`] after the exit: a daemon started with
+//!   `cmd &` that keeps the pipes open does not hold the call, and is not
+//!   killed either. Only a timeout kills, and then the whole group.
+//! - Processes are forked by hand (not `std::process::Command`) so that the
+//!   reaper is the only waiter for children and every fd is close-on-exec.
+//!
+//! Does not own: reaping (see `reaper`) or routing the host's stdin,
+//! signal and resize frames (see `calls`).
+
+use crate::calls::{ExecControl, StdinChunk, Token};
+use crate::errors::CallError;
+use crate::reaper;
+use crate::Agent;
+use shoal_proto::{CallId, ErrorKind, Frame, GuestMsg, PtySize, MAX_CHUNK};
+use std::collections::BTreeMap;
+use std::ffi::{CString, OsString};
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStringExt;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// After the shell exits, output still arriving within this much silence is
+/// sent; longer silence means only a background process holds the pipes.
+pub const DRAIN_IDLE: Duration = Duration::from_millis(100);
+
+const SHELL: &str = "/bin/sh";
+
+/// What the host asked to run.
+#[derive(Debug, Clone)]
+pub struct ExecSpec {
+    pub cmd: String,
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub timeout_ms: Option<u64>,
+    pub pty: Option<PtySize>,
+    pub stdin: bool,
+}
+
+/// Runs the exec to its end on the calling thread.
+pub fn run(
+    agent: &Agent,
+    id: CallId,
+    token: Token,
+    spec: ExecSpec,
+    control: Arc<ExecControl>,
+    stdin_rx: Receiver<StdinChunk>,
+) {
+    let started = Instant::now();
+    match start(agent, &spec, &control) {
+        Err(err) => agent
+            .outbox
+            .send_on(&control.stream, Frame::new(id, err.into_msg())),
+        Ok(child) => {
+            control.pgid.store(child.pid, Ordering::SeqCst);
+            agent.outbox.send_on(
+                &control.stream,
+                Frame::new(
+                    id,
+                    GuestMsg::Started {
+                        pid: child.pid as u32,
+                    },
+                ),
+            );
+            if let Some(writer) = child.stdin {
+                let pty = spec.pty.is_some();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("stdin-{id}"))
+                    .spawn(move || feed_stdin(writer, stdin_rx, pty));
+                if let Err(err) = spawned {
+                    crate::log(&format!("cannot start a stdin thread: {err}"));
+                }
+            }
+            let deadline = spec
+                .timeout_ms
+                .map(|ms| started + Duration::from_millis(ms));
+            let ended = pump(
+                agent,
+                id,
+                &control,
+                child.pid,
+                child.outputs,
+                &child.waker,
+                deadline,
+            );
+            agent.outbox.send_on(
+                &control.stream,
+                Frame::new(id, exit_msg(ended, started.elapsed())),
+            );
+        }
+    }
+    // Closing our end of the stdin channel ends the stdin thread.
+    *crate::calls::lock(&control.stdin) = None;
+    agent.calls.finish(id, token);
+}
+
+struct Child {
+    pid: i32,
+    outputs: Vec<Output>,
+    stdin: Option<OwnedFd>,
+    waker: OwnedFd,
+}
+
+struct Output {
+    fd: OwnedFd,
+    is_stderr: bool,
+    open: bool,
+}
+
+/// How the process ended: its raw wait status, and whether we killed it.
+struct Ended {
+    status: i32,
+    timed_out: bool,
+}
+
+fn exit_msg(ended: Ended, elapsed: Duration) -> GuestMsg {
+    let status = ended.status;
+    let (code, signal) = if libc::WIFSIGNALED(status) {
+        (None, Some(libc::WTERMSIG(status)))
+    } else {
+        (Some(libc::WEXITSTATUS(status)), None)
+    };
+    GuestMsg::Exit {
+        code,
+        signal,
+        timed_out: ended.timed_out,
+        duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+    }
+}
+
+/// Steps of the child between fork and exec, reported when one fails.
+const STAGE_SETSID: u8 = 1;
+const STAGE_CTTY: u8 = 2;
+const STAGE_DUP: u8 = 3;
+const STAGE_CHDIR: u8 = 4;
+const STAGE_EXEC: u8 = 5;
+
+/// Everything the forked child needs, prepared before the fork because a
+/// child of a threaded process may not allocate.
+struct Plan {
+    program: CString,
+    _args: Vec<CString>,
+    argv: Vec<*const libc::c_char>,
+    _env: Vec<CString>,
+    envp: Vec<*const libc::c_char>,
+    cwd: Option<CString>,
+    stdin: RawFd,
+    stdout: RawFd,
+    stderr: RawFd,
+    controlling_tty: Option<RawFd>,
+    error_pipe: RawFd,
+}
+
+fn invalid(message: impl Into<String>) -> CallError {
+    CallError::new(ErrorKind::InvalidInput, message)
+}
+
+fn cstring(text: impl Into<Vec<u8>>, what: &str) -> Result<CString, CallError> {
+    CString::new(text).map_err(|_| invalid(format!("{what} contains a NUL byte")))
+}
+
+fn start(agent: &Agent, spec: &ExecSpec, control: &ExecControl) -> Result<Child, CallError> {
+    if let Some(cwd) = &spec.cwd {
+        match std::fs::metadata(cwd) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => {
+                return Err(CallError::new(
+                    ErrorKind::NotADirectory,
+                    format!("not a directory: {cwd}"),
+                ))
+            }
+            Err(err) => return Err(CallError::io(&err, cwd)),
+        }
+    }
+    let args = vec![
+        cstring("sh", "argument")?,
+        cstring("-c", "argument")?,
+        cstring(spec.cmd.as_bytes(), "the command")?,
+    ];
+    let env = environment(spec)?;
+    let cwd = match &spec.cwd {
+        Some(cwd) => Some(cstring(cwd.as_bytes(), "the working directory")?),
+        None => None,
+    };
+    let io_err = |what: &str, err: io::Error| {
+        CallError::new(
+            ErrorKind::Io,
+            format!("cannot start the command: {what}: {err}"),
+        )
+    };
+
+    // Parent ends first, child ends second.
+    let mut outputs = Vec::new();
+    let child_stdin: OwnedFd;
+    let child_stdout: OwnedFd;
+    let child_stderr: OwnedFd;
+    let mut controlling_tty = None;
+    let stdin_writer: Option<OwnedFd>;
+    if let Some(size) = spec.pty {
+        let (master, slave) = open_pty().map_err(|e| io_err("opening a PTY", e))?;
+        set_window_size(master.as_raw_fd(), size);
+        let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| io_err("dup", e));
+        stdin_writer = Some(dup(&master)?);
+        let _ = control.pty.set(dup(&master)?);
+        child_stdin = dup(&slave)?;
+        child_stdout = dup(&slave)?;
+        controlling_tty = Some(slave.as_raw_fd());
+        child_stderr = slave;
+        outputs.push(Output {
+            fd: master,
+            is_stderr: false,
+            open: true,
+        });
+    } else {
+        let (out_read, out_write) = pipe().map_err(|e| io_err("pipe", e))?;
+        let (err_read, err_write) = pipe().map_err(|e| io_err("pipe", e))?;
+        if spec.stdin {
+            let (in_read, in_write) = pipe().map_err(|e| io_err("pipe", e))?;
+            child_stdin = in_read;
+            stdin_writer = Some(in_write);
+        } else {
+            child_stdin = File::open("/dev/null")
+                .map_err(|e| io_err("/dev/null", e))?
+                .into();
+            stdin_writer = None;
+        }
+        child_stdout = out_write;
+        child_stderr = err_write;
+        outputs.push(Output {
+            fd: out_read,
+            is_stderr: false,
+            open: true,
+        });
+        outputs.push(Output {
+            fd: err_read,
+            is_stderr: true,
+            open: true,
+        });
+    }
+    let (error_read, error_write) = pipe().map_err(|e| io_err("pipe", e))?;
+    let waker = reaper::new_waker().map_err(|e| io_err("eventfd", e))?;
+    let waker_for_reaper = Arc::new(waker.try_clone().map_err(|e| io_err("dup", e))?);
+
+    let program = cstring(SHELL, "the shell")?;
+    let argv = null_terminated(&args);
+    let envp = null_terminated(&env);
+    let plan = Plan {
+        program,
+        _args: args,
+        argv,
+        _env: env,
+        envp,
+        cwd,
+        stdin: child_stdin.as_raw_fd(),
+        stdout: child_stdout.as_raw_fd(),
+        stderr: child_stderr.as_raw_fd(),
+        controlling_tty,
+        error_pipe: error_write.as_raw_fd(),
+    };
+    let pid = agent
+        .reaper
+        .spawn_watched(waker_for_reaper, || fork_and_exec(&plan))
+        .map_err(|e| io_err("fork", e))?;
+    // Only the child may hold these now: our copies would keep the pipes
+    // (and the PTY) from ever reporting EOF.
+    drop((child_stdin, child_stdout, child_stderr, error_write, plan));
+
+    let mut report = [0u8; 5];
+    let mut error_file = File::from(error_read);
+    let got = read_fully(&mut error_file, &mut report);
+    if got == report.len() {
+        agent.reaper.forget(pid);
+        let errno = i32::from_ne_bytes([report[1], report[2], report[3], report[4]]);
+        let err = io::Error::from_raw_os_error(errno);
+        return Err(match report[0] {
+            STAGE_CHDIR => CallError::io(&err, spec.cwd.as_deref().unwrap_or("")),
+            STAGE_EXEC => CallError::io(&err, SHELL),
+            STAGE_SETSID => io_err("setsid", err),
+            STAGE_CTTY => io_err("setting the controlling terminal", err),
+            STAGE_DUP => io_err("dup2", err),
+            _ => io_err("unknown step", err),
+        });
+    }
+    Ok(Child {
+        pid,
+        outputs,
+        stdin: stdin_writer,
+        waker,
+    })
+}
+
+/// The agent's environment, then the request's, and a TERM for PTYs.
+fn environment(spec: &ExecSpec) -> Result<Vec<CString>, CallError> {
+    let mut vars: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
+    if spec.pty.is_some() && !vars.contains_key(&OsString::from("TERM")) {
+        vars.insert("TERM".into(), "xterm-256color".into());
+    }
+    for (key, value) in &spec.env {
+        if key.is_empty() || key.contains('=') {
+            return Err(invalid(format!("bad environment variable name: {key:?}")));
+        }
+        vars.insert(key.into(), value.into());
+    }
+    vars.into_iter()
+        .map(|(key, value)| {
+            let mut entry = key.into_vec();
+            entry.push(b'=');
+            entry.extend(value.into_vec());
+            cstring(entry, "the environment")
+        })
+        .collect()
+}
+
+fn null_terminated(strings: &[CString]) -> Vec<*const libc::c_char> {
+    strings
+        .iter()
+        .map(|s| s.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect()
+}
+
+fn fork_and_exec(plan: &Plan) -> io::Result<i32> {
+    // SAFETY: the child runs only async-signal-safe calls on data prepared
+    // before the fork (see `exec_child`), then execs or exits.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if pid == 0 {
+        // SAFETY: we are the freshly forked child.
+        unsafe { exec_child(plan) }
+    }
+    Ok(pid)
+}
+
+/// The child side of the fork. Allocates nothing and takes no locks.
+unsafe fn exec_child(plan: &Plan) -> ! {
+    // SAFETY: only async-signal-safe libc calls, on pointers into `plan`
+    // (which the fork copied intact) and on locals.
+    unsafe {
+        // The agent ignores SIGPIPE and may block signals; commands expect
+        // the defaults (e.g. `yes | head` relies on SIGPIPE).
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+        for signal in 1..32 {
+            if signal != libc::SIGKILL && signal != libc::SIGSTOP {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+        }
+        if libc::setsid() < 0 {
+            child_fail(plan, STAGE_SETSID);
+        }
+        if let Some(tty) = plan.controlling_tty {
+            if libc::ioctl(tty, libc::TIOCSCTTY, 0) < 0 {
+                child_fail(plan, STAGE_CTTY);
+            }
+        }
+        for (from, to) in [(plan.stdin, 0), (plan.stdout, 1), (plan.stderr, 2)] {
+            if libc::dup2(from, to) < 0 {
+                child_fail(plan, STAGE_DUP);
+            }
+        }
+        if let Some(cwd) = &plan.cwd {
+            if libc::chdir(cwd.as_ptr()) < 0 {
+                child_fail(plan, STAGE_CHDIR);
+            }
+        }
+        libc::execve(
+            plan.program.as_ptr(),
+            plan.argv.as_ptr(),
+            plan.envp.as_ptr(),
+        );
+        child_fail(plan, STAGE_EXEC)
+    }
+}
+
+unsafe fn child_fail(plan: &Plan, stage: u8) -> ! {
+    // SAFETY: errno is thread-local and valid; write and _exit are
+    // async-signal-safe.
+    unsafe {
+        let errno = (*libc::__errno_location()).to_ne_bytes();
+        let report = [stage, errno[0], errno[1], errno[2], errno[3]];
+        libc::write(plan.error_pipe, report.as_ptr().cast(), report.len());
+        libc::_exit(127)
+    }
+}
+
+/// Reads until `buf` is full or EOF; returns how much was read.
+fn read_fully(file: &mut File, buf: &mut [u8]) -> usize {
+    use std::io::Read;
+    let mut filled = 0;
+    while filled < buf.len() {
+        match file.read(&mut buf[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    filled
+}
+
+/// Streams output until the exec is over (see the module doc), killing the
+/// group at the deadline.
+fn pump(
+    agent: &Agent,
+    id: CallId,
+    control: &ExecControl,
+    pid: i32,
+    mut outputs: Vec<Output>,
+    waker: &OwnedFd,
+    deadline: Option<Instant>,
+) -> Ended {
+    let stream = &control.stream;
+    let mut status = None;
+    let mut timed_out = false;
+    let mut buf = vec![0u8; MAX_CHUNK];
+    loop {
+        if status.is_none() {
+            status = agent.reaper.take_status(pid);
+        }
+        if status.is_none() && !timed_out && deadline.is_some_and(|d| Instant::now() >= d) {
+            // SAFETY: kill has no memory effects; -pid is the exec's group.
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+            timed_out = true;
+        }
+        let any_open = outputs.iter().any(|o| o.open);
+        if let (Some(status), false) = (status, any_open) {
+            return Ended { status, timed_out };
+        }
+        // How long we may sleep before the exit or the deadline needs us.
+        let wait_limit = if status.is_some() {
+            Some(DRAIN_IDLE)
+        } else if timed_out {
+            None
+        } else {
+            deadline.map(|d| d.saturating_duration_since(Instant::now()))
+        };
+
+        let mut budget = if any_open {
+            // Waiting for credit is not silence: it does not count toward
+            // DRAIN_IDLE, so nothing printed is ever dropped for slowness.
+            let credit_limit = if status.is_some() { None } else { wait_limit };
+            let budget = stream.wait_credit(MAX_CHUNK, credit_limit);
+            if budget == 0 {
+                continue;
+            }
+            budget
+        } else {
+            0
+        };
+
+        let mut fds: Vec<libc::pollfd> = outputs
+            .iter()
+            .filter(|o| o.open)
+            .map(|o| libc::pollfd {
+                fd: o.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let watching_exit = status.is_none();
+        if watching_exit {
+            fds.push(libc::pollfd {
+                fd: waker.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        let timeout_ms =
+            wait_limit.map_or(-1, |d| i32::try_from(d.as_millis()).unwrap_or(i32::MAX));
+        // SAFETY: fds is a valid array of fds.len() pollfd structs.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        if ready < 0 {
+            if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            continue;
+        }
+        if ready == 0 {
+            if let Some(status) = status {
+                return Ended { status, timed_out };
+            }
+            continue;
+        }
+        if watching_exit && fds.last().is_some_and(|w| w.revents != 0) {
+            reaper::drain_waker(waker);
+        }
+        for output in outputs.iter_mut().filter(|o| o.open) {
+            let Some(polled) = fds.iter().find(|p| p.fd == output.fd.as_raw_fd()) else {
+                continue;
+            };
+            if polled.revents == 0 || budget == 0 {
+                continue;
+            }
+            // SAFETY: reads at most budget <= buf.len() bytes into buf.
+            let got = unsafe { libc::read(output.fd.as_raw_fd(), buf.as_mut_ptr().cast(), budget) };
+            if got > 0 {
+                let got = got as usize;
+                let msg = if output.is_stderr {
+                    GuestMsg::Stderr
+                } else {
+                    GuestMsg::Stdout
+                };
+                stream.consume(got);
+                budget -= got;
+                agent
+                    .outbox
+                    .send_on(stream, Frame::with_payload(id, msg, buf[..got].to_vec()));
+            } else if got == 0 {
+                output.open = false;
+            } else {
+                let err = io::Error::last_os_error();
+                // EIO is how a PTY master says every slave is closed.
+                if !matches!(
+                    err.kind(),
+                    io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock
+                ) {
+                    output.open = false;
+                }
+            }
+        }
+    }
+}
+
+fn feed_stdin(writer: OwnedFd, chunks: Receiver<StdinChunk>, pty: bool) {
+    let mut writer = File::from(writer);
+    for (data, eof) in chunks {
+        if writer.write_all(&data).is_err() {
+            return;
+        }
+        if eof {
+            if pty {
+                // A PTY cannot be closed for input alone: ^D ends input for
+                // a program reading a line, as a user at a terminal would.
+                let _ = writer.write_all(&[4]);
+            } else {
+                return;
+            }
+        }
+    }
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: pipe2 writes two fds into the valid array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds are fresh and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn check(result: libc::c_int) -> io::Result<libc::c_int> {
+    if result < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(result)
+    }
+}
+
+/// Opens a PTY pair, both ends close-on-exec from the start so no other
+/// exec forked meanwhile can inherit them.
+fn open_pty() -> io::Result<(OwnedFd, OwnedFd)> {
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
+    // SAFETY: the path is a valid NUL-terminated string.
+    let master = check(unsafe { libc::open(c"/dev/ptmx".as_ptr(), flags) })?;
+    // SAFETY: master is a fresh fd owned by nobody else.
+    let master = unsafe { OwnedFd::from_raw_fd(master) };
+    // SAFETY: grantpt/unlockpt take an fd and no pointers.
+    check(unsafe { libc::grantpt(master.as_raw_fd()) })?;
+    // SAFETY: as above.
+    check(unsafe { libc::unlockpt(master.as_raw_fd()) })?;
+    // SAFETY: TIOCGPTPEER takes open flags by value and returns a new fd.
+    let peer = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, flags) };
+    let slave = if peer >= 0 {
+        peer
+    } else {
+        // Kernels before 4.13 lack TIOCGPTPEER: open the slave by name.
+        let mut name = [0 as libc::c_char; 128];
+        // SAFETY: ptsname_r writes at most name.len() bytes into name.
+        let rc = unsafe { libc::ptsname_r(master.as_raw_fd(), name.as_mut_ptr(), name.len()) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        // SAFETY: ptsname_r NUL-terminated the name.
+        check(unsafe { libc::open(name.as_ptr(), flags) })?
+    };
+    // SAFETY: slave is a fresh fd owned by nobody else.
+    Ok((master, unsafe { OwnedFd::from_raw_fd(slave) }))
+}
+
+/// Sets a PTY's size; the kernel tells the foreground group (SIGWINCH).
+pub fn set_window_size(fd: RawFd, size: PtySize) {
+    let winsize = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads a winsize from the valid pointer.
+    unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &winsize) };
+}

@@ -1,0 +1,131 @@
+//! What the agent does first when it is the guest's PID 1 (`--init`): the
+//! mounts a userland expects, a sane environment, the loopback interface.
+//! Every step logs and carries on when it fails: PID 1 must never exit.
+//!
+//! Does not own: /dev, /proc and /sys (the initramfs mounted them and moved
+//! them into the new root) or reaping orphans (see `reaper`).
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+
+const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Runs before any thread starts (it sets environment variables).
+pub fn setup() {
+    std::env::set_var("PATH", PATH);
+    std::env::set_var("HOME", "/root");
+    let nodev = libc::MS_NOSUID | libc::MS_NODEV;
+    let mounts: [(&str, &str, &str, libc::c_ulong, &str); 4] = [
+        (
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            "ptmxmode=0666,mode=0620,gid=5",
+        ),
+        ("shm", "/dev/shm", "tmpfs", nodev, "mode=1777"),
+        ("tmpfs", "/run", "tmpfs", nodev, "mode=0755"),
+        ("tmpfs", "/tmp", "tmpfs", nodev, "mode=1777"),
+    ];
+    for (source, target, fstype, flags, data) in mounts {
+        if let Err(err) = mount(source, target, fstype, flags, data) {
+            crate::log(&format!("mounting {target} failed: {err}"));
+        }
+    }
+    if let Err(err) = make_ptmx_usable() {
+        crate::log(&format!("/dev/ptmx: {err}"));
+    }
+    if let Err(err) = loopback_up() {
+        crate::log(&format!("bringing up lo failed: {err}"));
+    }
+}
+
+fn is_mount_point(target: &str) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|info| {
+            info.lines()
+                .any(|line| line.split(' ').nth(4) == Some(target))
+        })
+        .unwrap_or(false)
+}
+
+fn mount(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> io::Result<()> {
+    if is_mount_point(target) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(target)?;
+    let c = |s: &str| CString::new(s).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput));
+    let (source, target, fstype, data) = (c(source)?, c(target)?, c(fstype)?, c(data)?);
+    // SAFETY: all pointers are valid NUL-terminated strings.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// /dev/ptmx must open the devpts instance at /dev/pts with mode 0666.
+fn make_ptmx_usable() -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::symlink_metadata("/dev/ptmx") {
+        Err(_) => std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx"),
+        Ok(meta) if meta.file_type().is_symlink() => Ok(()),
+        Ok(_) => std::fs::set_permissions("/dev/ptmx", std::fs::Permissions::from_mode(0o666)),
+    }
+}
+
+/// `struct ifreq` with the flags member of its union (the union is 24
+/// bytes on every Linux ABI we run on).
+#[repr(C)]
+struct IfreqFlags {
+    name: [libc::c_char; libc::IFNAMSIZ],
+    flags: libc::c_short,
+    _pad: [u8; 22],
+}
+
+const SIOCGIFFLAGS: libc::c_ulong = 0x8913;
+const SIOCSIFFLAGS: libc::c_ulong = 0x8914;
+
+fn loopback_up() -> io::Result<()> {
+    // SAFETY: socket takes no pointers; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is fresh and owned by nobody else.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut req = IfreqFlags {
+        name: [0; libc::IFNAMSIZ],
+        flags: 0,
+        _pad: [0; 22],
+    };
+    for (dst, src) in req.name.iter_mut().zip(b"lo") {
+        *dst = *src as libc::c_char;
+    }
+    use std::os::fd::AsRawFd;
+    // SAFETY: the ioctl reads and writes an ifreq-sized struct we own.
+    if unsafe { libc::ioctl(socket.as_raw_fd(), SIOCGIFFLAGS as _, &mut req) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    req.flags |= libc::IFF_UP as libc::c_short;
+    // SAFETY: as above.
+    if unsafe { libc::ioctl(socket.as_raw_fd(), SIOCSIFFLAGS as _, &req) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! First-party template specifications: what a template is made of
+//! (packages, disk size) and what the engine should give its VM (memory,
+//! vCPUs). Pure data; building lives in the other modules.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ImageError;
+
+/// A template: a name, the VM shape the engine gives it, and the Debian
+/// packages its root filesystem holds on top of `minbase`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateSpec {
+    pub name: String,
+    pub memory_mib: u32,
+    pub vcpus: u32,
+    pub packages: Vec<String>,
+    /// Size of the (sparse) root filesystem image: the room a sandbox has.
+    pub disk_mib: u32,
+}
+
+fn strings(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// The templates Shoal ships.
+pub fn first_party_templates() -> Vec<TemplateSpec> {
+    vec![
+        TemplateSpec {
+            name: "base".into(),
+            memory_mib: 4096,
+            vcpus: 8,
+            packages: strings(&["ca-certificates", "iproute2", "procps", "python3-minimal"]),
+            disk_mib: 2048,
+        },
+        TemplateSpec {
+            name: "code-interpreter".into(),
+            memory_mib: 2048,
+            vcpus: 8,
+            // python3-munkres satisfies python3-fonttools' "python3-scipy |
+            // python3-munkres": without it apt picks scipy, whose bookworm
+            // package drags in pythran, g++ and the boost headers (~600 MB).
+            packages: strings(&[
+                "ca-certificates",
+                "iproute2",
+                "procps",
+                "python3",
+                "python3-matplotlib",
+                "python3-munkres",
+                "python3-numpy",
+                "python3-pandas",
+            ]),
+            disk_mib: 4096,
+        },
+    ]
+}
+
+/// The first-party template called `name`.
+pub fn find_template(name: &str) -> Option<TemplateSpec> {
+    first_party_templates().into_iter().find(|t| t.name == name)
+}
+
+impl TemplateSpec {
+    /// Checks what the builder relies on: the name is a valid hostname and
+    /// directory name, package names are Debian package names, sizes are sane.
+    pub fn validate(&self) -> Result<(), ImageError> {
+        let bad = |why: String| Err(ImageError::InvalidTemplate(format!("{}: {why}", self.name)));
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 63
+            && self.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !self.name.starts_with('-');
+        if !name_ok {
+            return bad("name must be 1-63 of [a-z0-9-], not starting with '-'".into());
+        }
+        for p in &self.packages {
+            let ok = p.len() >= 2
+                && p.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b))
+                && p.as_bytes()[0].is_ascii_alphanumeric();
+            if !ok {
+                return bad(format!("{p:?} is not a Debian package name"));
+            }
+        }
+        if self.disk_mib < 64 {
+            return bad(format!("disk_mib {} is below 64", self.disk_mib));
+        }
+        if self.memory_mib < 128 || self.vcpus == 0 {
+            return bad("needs at least 128 MiB and one vCPU".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_party_templates_are_valid_and_findable() {
+        for t in first_party_templates() {
+            t.validate().unwrap();
+            assert_eq!(find_template(&t.name).unwrap(), t);
+        }
+        let ci = find_template("code-interpreter").unwrap();
+        assert_eq!((ci.memory_mib, ci.vcpus), (2048, 8));
+        assert!(ci.packages.iter().any(|p| p == "python3-pandas"));
+        let base = find_template("base").unwrap();
+        assert_eq!((base.memory_mib, base.vcpus), (4096, 8));
+        assert!(find_template("nope").is_none());
+    }
+
+    #[test]
+    fn validation_rejects_bad_names_and_packages() {
+        let mut t = find_template("base").unwrap();
+        t.name = "Bad/Name".into();
+        assert!(t.validate().is_err());
+        let mut t = find_template("base").unwrap();
+        t.packages.push("--option".into());
+        assert!(t.validate().is_err());
+    }
+}
