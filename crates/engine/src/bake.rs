@@ -52,7 +52,7 @@ impl Engine {
                 &shoal_image::BuildOptions {
                     state_dir: &cache_dir,
                     guest_agent: &agent,
-                    progress: &image_progress,
+                    progress: image_progress,
                 },
             )
         })
@@ -278,7 +278,7 @@ impl Engine {
                 &shoal_image::BuildOptions {
                     state_dir: &cache_dir,
                     guest_agent: &agent,
-                    progress: &indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden()),
+                    progress: indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden()),
                 },
             )
         })

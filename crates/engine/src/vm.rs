@@ -158,8 +158,9 @@ async fn connect_restored(
     id: &str,
     child: &mut tokio::process::Child,
 ) -> Result<(Qmp, AgentClient)> {
+    let qmp_path = qemu::qmp_socket(dir);
     let qmp = tokio::select! {
-        qmp = Qmp::connect_with_deadline(&qemu::qmp_socket(dir), Duration::from_secs(10)) => qmp?,
+        qmp = Qmp::connect_with_deadline(&qmp_path, Duration::from_secs(10)) => qmp?,
         status = child.wait() => return Err(exited(status)),
     };
     // The agent's socket must be connected before the device state loads, so
