@@ -22,9 +22,10 @@ pub const MACHINE_LAYOUT_VERSION: u32 = 1;
 /// The descriptor number the device state file is handed to QEMU on.
 pub const INCOMING_FD: i32 = 3;
 
-/// Size of the TCG translation cache per VM. Small on purpose: it is most of
-/// an idle clone's private memory.
-const TCG_TB_SIZE_MIB: u32 = 16;
+/// Size of the TCG translation cache per VM. It is allocated lazily, so an
+/// idle clone only pays for what it translated; much smaller and heavy work
+/// (importing pandas) thrashes it.
+const TCG_TB_SIZE_MIB: u32 = 64;
 
 /// How one VM is started: a cold boot (baking a template) or a restore.
 #[derive(Debug, Clone)]

@@ -169,7 +169,7 @@ async fn connect_restored(
     qmp.migrate_incoming(&format!("fd:{}", qemu::INCOMING_FD))
         .await?;
     let agent = tokio::select! {
-        agent = tokio::time::timeout(RESTORE_DEADLINE, AgentClient::connect(stream)) => match agent {
+        agent = tokio::time::timeout(RESTORE_DEADLINE, AgentClient::connect_with_deadline(stream, RESTORE_DEADLINE)) => match agent {
             Ok(agent) => agent?,
             Err(_) => return Err(EngineError::Timeout("waiting for the guest agent after restore".into())),
         },
