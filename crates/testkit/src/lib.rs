@@ -70,15 +70,19 @@ pub fn state_dir(binary: &str) -> PathBuf {
 /// The engine of this test binary, with `templates` built (once) first.
 pub fn engine(binary: &str, templates: &[&str]) -> &'static Engine {
     static ENGINE: OnceLock<Engine> = OnceLock::new();
-    ENGINE.get_or_init(|| {
+    let binary = binary.to_string();
+    let templates: Vec<String> = templates.iter().map(|t| t.to_string()).collect();
+    // Initialised on a thread of its own: callers are usually inside
+    // `block_on` already, and a runtime cannot be entered twice.
+    ENGINE.get_or_init(move || std::thread::spawn(move || {
         block_on(async {
-            let mut config = EngineConfig::new(state_dir(binary));
+            let mut config = EngineConfig::new(state_dir(&binary));
             config.cache_dir = cache_dir();
             let engine = Engine::open(config).await.expect("opening the engine");
             let progress = indicatif::MultiProgress::with_draw_target(
                 indicatif::ProgressDrawTarget::stderr(),
             );
-            for name in templates {
+            for name in &templates {
                 engine
                     .build_template(name, guest_agent(), &progress)
                     .await
@@ -87,6 +91,8 @@ pub fn engine(binary: &str, templates: &[&str]) -> &'static Engine {
             engine
         })
     })
+    .join()
+    .expect("engine set-up panicked"))
 }
 
 /// Polls `condition` until it holds or `timeout` passes; returns whether it held.
