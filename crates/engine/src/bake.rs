@@ -42,22 +42,7 @@ impl Engine {
         std::fs::create_dir_all(&template_dir)
             .io_context(|| format!("creating {}", template_dir.display()))?;
         let _bake_lock = lock_file(&template_dir.join("bake.lock"), true)?;
-        let cache_dir = self.config.cache_dir.clone();
-        let agent = guest_agent.to_path_buf();
-        let image_progress = progress.clone();
-        let image_spec = spec.clone();
-        let artifacts = tokio::task::spawn_blocking(move || {
-            shoal_image::build(
-                &image_spec,
-                &shoal_image::BuildOptions {
-                    state_dir: &cache_dir,
-                    guest_agent: &agent,
-                    progress: image_progress,
-                },
-            )
-        })
-        .await
-        .expect("image build does not panic")?;
+        let artifacts = self.build_image(&spec, guest_agent, progress.clone()).await?;
 
         let cmdline = self.kernel_cmdline();
         let hash = bake_hash(&[
@@ -107,11 +92,38 @@ impl Engine {
         Ok(manifest)
     }
 
+    /// Builds (or finds in the cache) the image layers of `spec`.
+    async fn build_image(
+        &self,
+        spec: &shoal_image::TemplateSpec,
+        guest_agent: &Path,
+        progress: BakeProgress,
+    ) -> Result<shoal_image::Artifacts> {
+        let cache_dir = self.config.cache_dir.clone();
+        let agent = guest_agent.to_path_buf();
+        let spec = spec.clone();
+        let artifacts = tokio::task::spawn_blocking(move || {
+            shoal_image::build(
+                &spec,
+                &shoal_image::BuildOptions {
+                    state_dir: &cache_dir,
+                    guest_agent: &agent,
+                    progress,
+                },
+            )
+        })
+        .await
+        .expect("image build does not panic")?;
+        Ok(artifacts)
+    }
+
     fn kernel_cmdline(&self) -> String {
         let mut cmdline = shoal_image::kernel_cmdline().to_string();
         if self.accel == Accel::Tcg {
             // With several vCPUs under TCG the guest's own TSC calibration
-            // fails and boot hangs; TCG's TSC is the host's, so say its rate.
+            // can fail and boot hang; TCG's TSC is the host's, so say its
+            // rate. Read from cpuinfo rather than measured, so the value
+            // (part of the bake hash) is the same on every run.
             if let Some(khz) = accel::host_tsc_khz(&self.config.proc_root.join("cpuinfo")) {
                 cmdline.push_str(&format!(" tsc_early_khz={khz} tsc=reliable"));
             }
@@ -273,21 +285,8 @@ impl Engine {
     pub async fn measure_cold_boot(&self, name: &str, guest_agent: &Path) -> Result<f64> {
         let spec = shoal_image::find_template(name)
             .ok_or_else(|| EngineError::UnknownTemplate(name.to_string()))?;
-        let cache_dir = self.config.cache_dir.clone();
-        let agent = guest_agent.to_path_buf();
-        let image_spec = spec.clone();
-        let artifacts = tokio::task::spawn_blocking(move || {
-            shoal_image::build(
-                &image_spec,
-                &shoal_image::BuildOptions {
-                    state_dir: &cache_dir,
-                    guest_agent: &agent,
-                    progress: indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden()),
-                },
-            )
-        })
-        .await
-        .expect("image build does not panic")?;
+        let hidden = indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
+        let artifacts = self.build_image(&spec, guest_agent, hidden).await?;
         // Under vms/, so a crash mid-measurement is reaped like any VM.
         let dir = self.vm_dir(&format!("coldboot-{}", &crate::new_sandbox_id()[3..]));
         std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;
