@@ -2,15 +2,14 @@
 //! checks the caching contract end to end (a second build does nothing and
 //! takes under a second; a new agent redoes only the image step, never
 //! debootstrap). Runs debootstrap and apt (about two minutes, needs root
-//! and the Debian mirror), so it is ignored by default:
-//! `cargo test -p shoal-image --test full_build -- --ignored`.
+//! and the Debian mirror, about 80 s here); it runs in the full suite
+//! (`scripts/test`) like every other test.
 
 use std::time::{Duration, Instant};
 
 use shoal_image::{build, current_artifacts, find_template, BuildOptions};
 
 #[test]
-#[ignore = "runs debootstrap and apt: minutes, root and network"]
 fn base_template_builds_once_and_rebuilds_only_what_changed() {
     assert!(nix::unistd::geteuid().is_root(), "needs root (debootstrap, chroot)");
     let tmp = tempfile::tempdir().unwrap();
