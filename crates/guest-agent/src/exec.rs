@@ -35,8 +35,11 @@ pub const DRAIN_IDLE: Duration = Duration::from_millis(100);
 
 const SHELL: &str = "/bin/sh";
 
+/// The fd on which a warm shell reads its script (see `warm`).
+pub(crate) const WARM_SCRIPT_FD: RawFd = 3;
+
 /// What the host asked to run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ExecSpec {
     pub cmd: String,
     pub env: BTreeMap<String, String>,
@@ -48,7 +51,7 @@ pub struct ExecSpec {
 
 /// Runs the exec to its end on the calling thread.
 pub fn run(
-    agent: &Agent,
+    agent: &Arc<Agent>,
     id: CallId,
     token: Token,
     spec: ExecSpec,
@@ -101,19 +104,30 @@ pub fn run(
     // Closing our end of the stdin channel ends the stdin thread.
     *crate::calls::lock(&control.stdin) = None;
     agent.calls.finish(id, token);
+    agent.warm.refill(agent);
 }
 
-struct Child {
-    pid: i32,
-    outputs: Vec<Output>,
-    stdin: Option<OwnedFd>,
-    waker: OwnedFd,
+pub(crate) struct Child {
+    pub pid: i32,
+    pub outputs: Vec<Output>,
+    pub stdin: Option<OwnedFd>,
+    pub waker: OwnedFd,
 }
 
-struct Output {
+pub(crate) struct Output {
     fd: OwnedFd,
     is_stderr: bool,
     open: bool,
+}
+
+impl Output {
+    pub(crate) fn new(fd: OwnedFd, is_stderr: bool) -> Self {
+        Output {
+            fd,
+            is_stderr,
+            open: true,
+        }
+    }
 }
 
 /// How the process ended: its raw wait status, and whether we killed it.
@@ -143,19 +157,21 @@ const STAGE_CTTY: u8 = 2;
 const STAGE_DUP: u8 = 3;
 const STAGE_CHDIR: u8 = 4;
 const STAGE_EXEC: u8 = 5;
+const STAGE_FORK: u8 = 6;
 
 /// Everything the forked child needs, prepared before the fork because a
 /// child of a threaded process may not allocate.
+/// Pointers in it borrow from the `Launch` it was made from, which outlives it.
 struct Plan {
     program: CString,
-    _args: Vec<CString>,
     argv: Vec<*const libc::c_char>,
-    _env: Vec<CString>,
     envp: Vec<*const libc::c_char>,
     cwd: Option<CString>,
     stdin: RawFd,
     stdout: RawFd,
     stderr: RawFd,
+    /// Put on fd 3 (warm shells read their script there).
+    script: Option<RawFd>,
     controlling_tty: Option<RawFd>,
     error_pipe: RawFd,
 }
@@ -164,11 +180,11 @@ fn invalid(message: impl Into<String>) -> CallError {
     CallError::new(ErrorKind::InvalidInput, message)
 }
 
-fn cstring(text: impl Into<Vec<u8>>, what: &str) -> Result<CString, CallError> {
+pub(crate) fn cstring(text: impl Into<Vec<u8>>, what: &str) -> Result<CString, CallError> {
     CString::new(text).map_err(|_| invalid(format!("{what} contains a NUL byte")))
 }
 
-fn start(agent: &Agent, spec: &ExecSpec, control: &ExecControl) -> Result<Child, CallError> {
+fn start(agent: &Arc<Agent>, spec: &ExecSpec, control: &ExecControl) -> Result<Child, CallError> {
     if let Some(cwd) = &spec.cwd {
         match std::fs::metadata(cwd) {
             Ok(meta) if meta.is_dir() => {}
@@ -181,6 +197,9 @@ fn start(agent: &Agent, spec: &ExecSpec, control: &ExecControl) -> Result<Child,
             Err(err) => return Err(CallError::io(&err, cwd)),
         }
     }
+    if let Some(child) = agent.warm.take_for(agent, spec) {
+        return Ok(child);
+    }
     let args = vec![
         cstring("sh", "argument")?,
         cstring("-c", "argument")?,
@@ -190,12 +209,6 @@ fn start(agent: &Agent, spec: &ExecSpec, control: &ExecControl) -> Result<Child,
     let cwd = match &spec.cwd {
         Some(cwd) => Some(cstring(cwd.as_bytes(), "the working directory")?),
         None => None,
-    };
-    let io_err = |what: &str, err: io::Error| {
-        CallError::new(
-            ErrorKind::Io,
-            format!("cannot start the command: {what}: {err}"),
-        )
     };
 
     // Parent ends first, child ends second.
@@ -215,11 +228,7 @@ fn start(agent: &Agent, spec: &ExecSpec, control: &ExecControl) -> Result<Child,
         child_stdout = dup(&slave)?;
         controlling_tty = Some(slave.as_raw_fd());
         child_stderr = slave;
-        outputs.push(Output {
-            fd: master,
-            is_stderr: false,
-            open: true,
-        });
+        outputs.push(Output::new(master, false));
     } else {
         let (out_read, out_write) = pipe().map_err(|e| io_err("pipe", e))?;
         let (err_read, err_write) = pipe().map_err(|e| io_err("pipe", e))?;
@@ -228,78 +237,123 @@ fn start(agent: &Agent, spec: &ExecSpec, control: &ExecControl) -> Result<Child,
             child_stdin = in_read;
             stdin_writer = Some(in_write);
         } else {
-            child_stdin = File::open("/dev/null")
-                .map_err(|e| io_err("/dev/null", e))?
-                .into();
+            child_stdin = dev_null()?;
             stdin_writer = None;
         }
         child_stdout = out_write;
         child_stderr = err_write;
-        outputs.push(Output {
-            fd: out_read,
-            is_stderr: false,
-            open: true,
-        });
-        outputs.push(Output {
-            fd: err_read,
-            is_stderr: true,
-            open: true,
-        });
+        outputs.push(Output::new(out_read, false));
+        outputs.push(Output::new(err_read, true));
     }
-    let (error_read, error_write) = pipe().map_err(|e| io_err("pipe", e))?;
-    let waker = reaper::new_waker().map_err(|e| io_err("eventfd", e))?;
-    let waker_for_reaper = Arc::new(waker.try_clone().map_err(|e| io_err("dup", e))?);
+    let launched = launch(
+        agent,
+        Launch {
+            args,
+            env,
+            cwd,
+            stdio: [child_stdin, child_stdout, child_stderr],
+            controlling_tty,
+            script: None,
+        },
+    )
+    .map_err(|(stage, err)| match stage {
+        STAGE_CHDIR => CallError::io(&err, spec.cwd.as_deref().unwrap_or("")),
+        STAGE_EXEC => CallError::io(&err, SHELL),
+        _ => io_err(stage_name(stage), err),
+    })?;
+    Ok(Child {
+        pid: launched.pid,
+        outputs,
+        stdin: stdin_writer,
+        waker: launched.waker,
+    })
+}
 
-    let program = cstring(SHELL, "the shell")?;
-    let argv = null_terminated(&args);
-    let envp = null_terminated(&env);
+pub(crate) fn io_err(what: &str, err: io::Error) -> CallError {
+    CallError::new(
+        ErrorKind::Io,
+        format!("cannot start the command: {what}: {err}"),
+    )
+}
+
+pub(crate) fn dev_null() -> Result<OwnedFd, CallError> {
+    Ok(File::open("/dev/null")
+        .map_err(|e| io_err("/dev/null", e))?
+        .into())
+}
+
+fn stage_name(stage: u8) -> &'static str {
+    match stage {
+        STAGE_SETSID => "setsid",
+        STAGE_CTTY => "setting the controlling terminal",
+        STAGE_DUP => "dup2",
+        STAGE_CHDIR => "chdir",
+        STAGE_EXEC => "exec",
+        STAGE_FORK => "fork",
+        _ => "unknown step",
+    }
+}
+
+/// What to start: `SHELL` with `args`, in a new session, on the given
+/// stdio (and a script pipe on fd 3 for warm shells).
+pub(crate) struct Launch {
+    pub args: Vec<CString>,
+    pub env: Vec<CString>,
+    pub cwd: Option<CString>,
+    pub stdio: [OwnedFd; 3],
+    pub controlling_tty: Option<RawFd>,
+    pub script: Option<OwnedFd>,
+}
+
+pub(crate) struct Launched {
+    pub pid: i32,
+    /// Woken by the reaper when the process exits.
+    pub waker: OwnedFd,
+}
+
+/// Forks and execs, with the reaper watching the pid from the start. Our
+/// copies of the child's fds are closed before returning. A failure names
+/// the step of the child that failed.
+pub(crate) fn launch(agent: &Agent, launch: Launch) -> Result<Launched, (u8, io::Error)> {
+    let fork_err = |err| (STAGE_FORK, err);
+    let (error_read, error_write) = pipe().map_err(fork_err)?;
+    let waker = reaper::new_waker().map_err(fork_err)?;
+    let waker_for_reaper = Arc::new(waker.try_clone().map_err(fork_err)?);
+    let program = CString::new(SHELL).expect("no NUL in the shell path");
+    let argv = null_terminated(&launch.args);
+    let envp = null_terminated(&launch.env);
     let plan = Plan {
         program,
-        _args: args,
         argv,
-        _env: env,
         envp,
-        cwd,
-        stdin: child_stdin.as_raw_fd(),
-        stdout: child_stdout.as_raw_fd(),
-        stderr: child_stderr.as_raw_fd(),
-        controlling_tty,
+        cwd: launch.cwd.clone(),
+        stdin: launch.stdio[0].as_raw_fd(),
+        stdout: launch.stdio[1].as_raw_fd(),
+        stderr: launch.stdio[2].as_raw_fd(),
+        script: launch.script.as_ref().map(|fd| fd.as_raw_fd()),
+        controlling_tty: launch.controlling_tty,
         error_pipe: error_write.as_raw_fd(),
     };
     let pid = agent
         .reaper
         .spawn_watched(waker_for_reaper, || fork_and_exec(&plan))
-        .map_err(|e| io_err("fork", e))?;
+        .map_err(fork_err)?;
     // Only the child may hold these now: our copies would keep the pipes
     // (and the PTY) from ever reporting EOF.
-    drop((child_stdin, child_stdout, child_stderr, error_write, plan));
+    drop((launch, error_write, plan));
 
     let mut report = [0u8; 5];
     let mut error_file = File::from(error_read);
-    let got = read_fully(&mut error_file, &mut report);
-    if got == report.len() {
+    if read_fully(&mut error_file, &mut report) == report.len() {
         agent.reaper.forget(pid);
         let errno = i32::from_ne_bytes([report[1], report[2], report[3], report[4]]);
-        let err = io::Error::from_raw_os_error(errno);
-        return Err(match report[0] {
-            STAGE_CHDIR => CallError::io(&err, spec.cwd.as_deref().unwrap_or("")),
-            STAGE_EXEC => CallError::io(&err, SHELL),
-            STAGE_SETSID => io_err("setsid", err),
-            STAGE_CTTY => io_err("setting the controlling terminal", err),
-            STAGE_DUP => io_err("dup2", err),
-            _ => io_err("unknown step", err),
-        });
+        return Err((report[0], io::Error::from_raw_os_error(errno)));
     }
-    Ok(Child {
-        pid,
-        outputs,
-        stdin: stdin_writer,
-        waker,
-    })
+    Ok(Launched { pid, waker })
 }
 
 /// The agent's environment, then the request's, and a TERM for PTYs.
-fn environment(spec: &ExecSpec) -> Result<Vec<CString>, CallError> {
+pub(crate) fn environment(spec: &ExecSpec) -> Result<Vec<CString>, CallError> {
     let mut vars: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
     if spec.pty.is_some() && !vars.contains_key(&OsString::from("TERM")) {
         vars.insert("TERM".into(), "xterm-256color".into());
@@ -328,18 +382,49 @@ fn null_terminated(strings: &[CString]) -> Vec<*const libc::c_char> {
         .collect()
 }
 
+/// Starts the child the way `posix_spawn` does: `CLONE_VM | CLONE_VFORK`
+/// on a stack of its own, so the agent's page tables are not copied (under
+/// TCG that copy is most of a fork's cost) and this thread sleeps only
+/// until the child has exec'd. Signals stay blocked across the clone so no
+/// handler of ours runs in the child while it shares our memory.
 fn fork_and_exec(plan: &Plan) -> io::Result<i32> {
-    // SAFETY: the child runs only async-signal-safe calls on data prepared
-    // before the fork (see `exec_child`), then execs or exits.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(io::Error::last_os_error());
+    const CHILD_STACK: usize = 64 * 1024;
+    let mut stack = vec![0u8; CHILD_STACK];
+    // SAFETY: one past the end of the allocation; clone's stack grows down.
+    let top = unsafe { stack.as_mut_ptr().add(CHILD_STACK) };
+    let top = (top as usize & !15) as *mut libc::c_void;
+    // SAFETY: sigset operations on valid locals.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    let mut previous: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; pthread_sigmask only reads `all` and writes `previous`.
+    unsafe {
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut previous);
     }
-    if pid == 0 {
-        // SAFETY: we are the freshly forked child.
-        unsafe { exec_child(plan) }
+    // SAFETY: the child runs `child_entry` on its own stack and only calls
+    // async-signal-safe functions on `plan`, which outlives it because
+    // CLONE_VFORK suspends us until it execs or exits.
+    let pid = unsafe {
+        libc::clone(
+            child_entry,
+            top,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (plan as *const Plan).cast_mut().cast(),
+        )
+    };
+    let err = io::Error::last_os_error();
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut()) };
+    drop(stack);
+    if pid < 0 {
+        return Err(err);
     }
     Ok(pid)
+}
+
+extern "C" fn child_entry(plan: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `fork_and_exec` passes a valid &Plan that outlives the child.
+    unsafe { exec_child(&*(plan as *const Plan)) }
 }
 
 /// The child side of the fork. Allocates nothing and takes no locks.
@@ -348,15 +433,16 @@ unsafe fn exec_child(plan: &Plan) -> ! {
     // (which the fork copied intact) and on locals.
     unsafe {
         // The agent ignores SIGPIPE and may block signals; commands expect
-        // the defaults (e.g. `yes | head` relies on SIGPIPE).
-        let mut empty: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut empty);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+        // the defaults (e.g. `yes | head` relies on SIGPIPE). Dispositions
+        // first: signals are blocked until the mask is cleared.
         for signal in 1..32 {
             if signal != libc::SIGKILL && signal != libc::SIGSTOP {
                 libc::signal(signal, libc::SIG_DFL);
             }
         }
+        let mut empty: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut empty);
+        libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
         if libc::setsid() < 0 {
             child_fail(plan, STAGE_SETSID);
         }
@@ -365,8 +451,18 @@ unsafe fn exec_child(plan: &Plan) -> ! {
                 child_fail(plan, STAGE_CTTY);
             }
         }
-        for (from, to) in [(plan.stdin, 0), (plan.stdout, 1), (plan.stderr, 2)] {
-            if libc::dup2(from, to) < 0 {
+        let script = plan.script.map(|fd| (fd, WARM_SCRIPT_FD));
+        for (from, to) in [(plan.stdin, 0), (plan.stdout, 1), (plan.stderr, 2)]
+            .into_iter()
+            .chain(script)
+        {
+            // dup2 onto itself would leave close-on-exec set.
+            let moved = if from == to {
+                libc::fcntl(from, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(from, to)
+            };
+            if moved < 0 {
                 child_fail(plan, STAGE_DUP);
             }
         }
@@ -551,7 +647,7 @@ fn feed_stdin(writer: OwnedFd, chunks: Receiver<StdinChunk>, pty: bool) {
     }
 }
 
-fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: pipe2 writes two fds into the valid array.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {

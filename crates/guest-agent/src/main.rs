@@ -18,6 +18,7 @@ mod files;
 mod identity;
 mod init;
 mod reaper;
+mod warm;
 
 use calls::{CallKind, Calls, ExecControl, Outbox, Stream, Upload};
 use errors::CallError;
@@ -111,6 +112,7 @@ pub struct Agent {
     pub outbox: Outbox,
     pub calls: Calls,
     pub reaper: Arc<reaper::Reaper>,
+    pub warm: warm::WarmShells,
     pub test_mode: bool,
 }
 
@@ -148,8 +150,10 @@ fn main() {
         outbox: Outbox::new(Box::new(io::sink())),
         calls: Calls::default(),
         reaper: reaper::Reaper::start(),
+        warm: warm::WarmShells::default(),
         test_mode: args.test_mode,
     });
+    agent.warm.refill(&agent);
     loop {
         let outcome =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(&agent, &args)));
