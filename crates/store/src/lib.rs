@@ -1,0 +1,220 @@
+//! The control plane's database: the schema (`migrations/`) and every SQL
+//! statement Shoal runs, on SQLite (the embedded default, one file) or
+//! PostgreSQL (`postgres://...`).
+//!
+//! It owns accounts and hashed API tokens, sandbox rows and their life-cycle
+//! fields, the atomic quota check at admission, the reaper's query, usage
+//! samples and their priced report, and snapshot records. It knows nothing of
+//! HTTP (no status codes: [`StoreError::Quota`] is for the caller to map), and
+//! it starts, stops or inspects no VM: a row says what the control plane
+//! believes, the engine and host agents make it so.
+//!
+//! Two backends, one set of statements. A [`Store`] holds native sqlx pools
+//! of either backend; each query is written once, with `$N` placeholders that
+//! both understand, and a small macro expands its body once per backend so it
+//! is type-checked against both drivers. Only the DDL (`migrations/sqlite`,
+//! `migrations/postgres`: same tables and names, different column types) and
+//! the way [`Store::admit_sandbox`] serialises concurrent admissions differ.
+//! Times are unix epoch seconds as `f64`, passed in by the caller, so the
+//! store reads no clock for any decision.
+//!
+//! SQLite runs in WAL mode with one writer connection (writes queue in the
+//! pool instead of spinning on the file lock) and several readers, so the hot
+//! reads ([`Store::authenticate`], [`Store::get_sandbox`]) are one indexed
+//! query each and never wait for a writer.
+
+mod accounts;
+mod migrate;
+mod model;
+mod row;
+mod sandboxes;
+mod snapshots;
+mod usage;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+pub use accounts::token_hash;
+pub use model::*;
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A quota refused a new sandbox; the message names the limit
+    /// ("free tier allows 5 concurrent sandboxes").
+    #[error("{message}")]
+    Quota { message: String },
+    #[error("{what} {id} already exists")]
+    AlreadyExists { what: &'static str, id: String },
+    #[error("unknown tier {0:?} (want free, pro or team)")]
+    UnknownTier(String),
+    #[error("unsupported database URL {0:?} (want sqlite:PATH, a file path, or postgres://...)")]
+    BadUrl(String),
+    #[error("cannot create directory {path}")]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+    #[error("database")]
+    Database(#[from] sqlx::Error),
+    #[error("migrating the schema")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// What `shoal_store::Error` names: [`StoreError`].
+pub type Error = StoreError;
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// A handle on the database; cheap to clone (the pools are shared).
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Backend>,
+    rate_card: RateCard,
+}
+
+enum Backend {
+    Sqlite {
+        /// Several connections, for reads only.
+        read: SqlitePool,
+        /// Exactly one connection: every write goes through it.
+        write: SqlitePool,
+    },
+    Postgres(PgPool),
+}
+
+/// Runs `$body` with `$pool` bound to the pool that serves reads, expanded
+/// once per backend.
+macro_rules! on_reader {
+    ($store:expr, $pool:ident => $body:expr) => {
+        match &*$store.inner {
+            $crate::Backend::Sqlite { read: $pool, .. } => $body,
+            $crate::Backend::Postgres($pool) => $body,
+        }
+    };
+}
+
+/// Runs `$body` with `$pool` bound to the pool that serves writes, expanded
+/// once per backend.
+macro_rules! on_writer {
+    ($store:expr, $pool:ident => $body:expr) => {
+        match &*$store.inner {
+            $crate::Backend::Sqlite { write: $pool, .. } => $body,
+            $crate::Backend::Postgres($pool) => $body,
+        }
+    };
+}
+pub(crate) use {on_reader, on_writer};
+
+/// Read connections of an SQLite store.
+const SQLITE_READERS: u32 = 8;
+/// Connections of a PostgreSQL store.
+const PG_CONNECTIONS: u32 = 16;
+/// How long an SQLite statement waits for another process's write lock.
+const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Store {
+    /// Opens the database and brings its schema up to date.
+    ///
+    /// `postgres://...` (or `postgresql://`) is PostgreSQL. `sqlite:PATH`,
+    /// `sqlite://PATH` or a bare path is an SQLite file, created with its
+    /// parent directory if missing.
+    pub async fn connect(url: &str) -> Result<Store> {
+        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            connect_postgres(url).await?
+        } else {
+            let path = url
+                .strip_prefix("sqlite://")
+                .or_else(|| url.strip_prefix("sqlite:"))
+                .unwrap_or(url);
+            if path.is_empty() || path.contains("://") || path.starts_with(":memory:") {
+                return Err(StoreError::BadUrl(url.to_owned()));
+            }
+            connect_sqlite(Path::new(path)).await?
+        };
+        Ok(Store {
+            inner: Arc::new(backend),
+            rate_card: RateCard::default(),
+        })
+    }
+
+    /// "sqlite" or "postgres".
+    pub fn backend(&self) -> &'static str {
+        match &*self.inner {
+            Backend::Sqlite { .. } => "sqlite",
+            Backend::Postgres(_) => "postgres",
+        }
+    }
+
+    /// The same store, pricing usage with `rate_card`.
+    pub fn with_rate_card(mut self, rate_card: RateCard) -> Store {
+        self.rate_card = rate_card;
+        self
+    }
+
+    pub fn rate_card(&self) -> RateCard {
+        self.rate_card
+    }
+
+    /// Closes every connection; other clones of this store stop working.
+    pub async fn close(&self) {
+        match &*self.inner {
+            Backend::Sqlite { read, write } => {
+                read.close().await;
+                write.close().await;
+            }
+            Backend::Postgres(pool) => pool.close().await,
+        }
+    }
+}
+
+async fn connect_sqlite(path: &Path) -> Result<Backend> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|source| StoreError::CreateDir {
+            path: parent.to_owned(),
+            source,
+        })?;
+    }
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        // In WAL mode NORMAL cannot corrupt the file; a power cut may lose
+        // the last commits, which the engine's start-up reaping reconciles.
+        .synchronous(SqliteSynchronous::Normal)
+        .busy_timeout(SQLITE_BUSY_TIMEOUT)
+        .foreign_keys(true);
+    let write = SqlitePoolOptions::new()
+        .max_connections(1)
+        .min_connections(1)
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .connect_with(options.clone())
+        .await?;
+    migrate::run_sqlite(&write).await?;
+    let read = SqlitePoolOptions::new()
+        .max_connections(SQLITE_READERS)
+        .min_connections(1)
+        .connect_with(options)
+        .await?;
+    Ok(Backend::Sqlite { read, write })
+}
+
+async fn connect_postgres(url: &str) -> Result<Backend> {
+    let options: PgConnectOptions = url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(PG_CONNECTIONS)
+        .min_connections(1)
+        .connect_with(options)
+        .await?;
+    migrate::run_postgres(&pool).await?;
+    Ok(Backend::Postgres(pool))
+}
