@@ -36,6 +36,7 @@ pub(crate) async fn capture(
         }
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_file(engine.fork_memory_dir().join(format!("{id}.memory")));
             Err(e)
         }
     }
@@ -58,7 +59,12 @@ async fn capture_into(
         wanted: "running",
     })?;
     let source = inner.source.clone();
-    let memory_copy = dir.join("memory");
+    // Fork points are short-lived and on the fork's critical path: their
+    // memory goes to the RAM-backed directory (see `EngineConfig`).
+    let memory_copy = match kind {
+        Kind::Fork => engine.fork_memory_dir().join(format!("{id}.memory")),
+        _ => dir.join("memory"),
+    };
     let src = source.memory_file.clone();
     let dst = memory_copy.clone();
     tokio::task::spawn_blocking(move || memory::copy_sparse(&src, &dst))
@@ -112,7 +118,11 @@ async fn capture_into(
         template: source.template.clone(),
         vcpus: source.vcpus,
         memory_mib: source.memory_mib,
-        memory_file: final_dir.join("memory"),
+        memory_file: if memory_copy.starts_with(dir) {
+            final_dir.join("memory")
+        } else {
+            memory_copy.clone()
+        },
         devices_file: final_dir.join("devices"),
         disk_layers,
         depends_on,

@@ -58,6 +58,12 @@ pub struct EngineConfig {
     pub accel: Option<Accel>,
     /// Root of the proc filesystem (a parameter so tests can fake it).
     pub proc_root: PathBuf,
+    /// Where fork points keep their memory: a tmpfs, because a fork copies
+    /// the template's memory and a RAM-backed copy is several times faster
+    /// than one on disk; fork points live only as long as their children.
+    /// `None`: a directory under `/dev/shm` named after the state dir, or
+    /// the captures directory where `/dev/shm` is missing.
+    pub fork_memory_dir: Option<PathBuf>,
 }
 
 impl EngineConfig {
@@ -69,7 +75,22 @@ impl EngineConfig {
             qemu: PathBuf::from("qemu-system-x86_64"),
             accel: None,
             proc_root: PathBuf::from("/proc"),
+            fork_memory_dir: None,
         }
+    }
+
+    fn resolved_fork_memory_dir(&self) -> PathBuf {
+        if let Some(dir) = &self.fork_memory_dir {
+            return dir.clone();
+        }
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            return self.state_dir.join("captures");
+        }
+        use sha2::Digest;
+        let absolute = std::fs::canonicalize(&self.state_dir).unwrap_or_else(|_| self.state_dir.clone());
+        let digest = sha2::Sha256::digest(absolute.as_os_str().as_encoded_bytes());
+        shm.join(format!("shoal-{}", &hex::encode(digest)[..12]))
     }
 }
 
@@ -124,6 +145,7 @@ impl Engine {
             config.cache_dir.join("images"),
             config.state_dir.join("captures"),
             config.state_dir.join("vms"),
+            config.resolved_fork_memory_dir(),
         ] {
             std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;
         }
@@ -179,6 +201,10 @@ impl Engine {
 
     fn captures_dir(&self) -> PathBuf {
         self.config.state_dir.join("captures")
+    }
+
+    pub(crate) fn fork_memory_dir(&self) -> PathBuf {
+        self.config.resolved_fork_memory_dir()
     }
 
     fn vm(&self, id: &str) -> Result<Arc<Vm>> {
@@ -424,9 +450,14 @@ impl Engine {
             capture::capture(self, &vm, &mut inner, Kind::Fork, true).await?
         };
         let capture_ms = capture_started.elapsed().as_secs_f64() * 1000.0;
-        let children = futures::future::join_all(
-            (0..count).map(|_| self.start_from(new_sandbox_id(), point.clone())),
-        )
+        // A restore is CPU-bound (QEMU start-up, then translating the guest's
+        // code afresh), so more at once than there are cores only makes every
+        // child late; in waves, the first children answer early.
+        let slots = tokio::sync::Semaphore::new(restore_parallelism());
+        let children = futures::future::join_all((0..count).map(|_| async {
+            let _slot = slots.acquire().await.expect("the semaphore is never closed");
+            self.start_from(new_sandbox_id(), point.clone()).await
+        }))
         .await;
         let mut out = Vec::new();
         let mut first_error = None;
@@ -589,7 +620,7 @@ impl Engine {
             let inner = vm.inner.lock().await;
             needed.extend(inner.source.captures_needed());
         }
-        reap::collect_captures(&self.captures_dir(), needed);
+        reap::collect_captures(&self.captures_dir(), &self.fork_memory_dir(), needed);
     }
 }
 
@@ -602,6 +633,11 @@ fn running<'a>(vm: &Vm, inner: &'a VmInner) -> Result<&'a vm::Live> {
             wanted: "running",
         }),
     }
+}
+
+/// Restores run at once during a fork: one per host core.
+fn restore_parallelism() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
 /// Sandbox ids: `sb-` and 12 hex digits.

@@ -48,7 +48,7 @@ pub fn copy_sparse(src: &Path, dst: &Path) -> Result<u64> {
         while src_off < end {
             // SAFETY: both descriptors are open; the offsets are valid pointers
             // to locals the kernel advances.
-            let n = unsafe {
+            let mut n = unsafe {
                 libc::copy_file_range(
                     input.as_raw_fd(),
                     &mut src_off,
@@ -58,6 +58,27 @@ pub fn copy_sparse(src: &Path, dst: &Path) -> Result<u64> {
                     0,
                 )
             };
+            if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EXDEV) {
+                // Across filesystems (disk to tmpfs) copy_file_range refuses;
+                // sendfile copies in the kernel too, at the output's offset.
+                // SAFETY: plain syscalls on open descriptors; src_off is a
+                // valid local the kernel advances.
+                n = unsafe {
+                    if libc::lseek(output.as_raw_fd(), dst_off, libc::SEEK_SET) < 0 {
+                        -1
+                    } else {
+                        libc::sendfile(
+                            output.as_raw_fd(),
+                            input.as_raw_fd(),
+                            &mut src_off,
+                            (end - src_off) as usize,
+                        )
+                    }
+                };
+                if n > 0 {
+                    dst_off += n as i64;
+                }
+            }
             if n < 0 {
                 return Err(std::io::Error::last_os_error())
                     .io_context(|| format!("copying {} to {}", src.display(), dst.display()));

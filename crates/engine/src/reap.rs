@@ -89,8 +89,9 @@ fn kill_and_wait(proc_root: &Path, pid: u32) {
 }
 
 /// Deletes every fork or hibernate capture not in `needed` (and not needed
-/// by a kept snapshot).
-pub(crate) fn collect_captures(captures_dir: &Path, mut needed: HashSet<String>) {
+/// by a kept snapshot), with fork memory kept outside its capture's
+/// directory, and fork memory whose capture is gone.
+pub(crate) fn collect_captures(captures_dir: &Path, fork_memory_dir: &Path, mut needed: HashSet<String>) {
     let Ok(entries) = std::fs::read_dir(captures_dir) else {
         return;
     };
@@ -104,10 +105,28 @@ pub(crate) fn collect_captures(captures_dir: &Path, mut needed: HashSet<String>)
             needed.extend(manifest.captures_needed());
         }
     }
+    let mut kept_memory = HashSet::new();
     for (path, manifest) in manifests {
         if matches!(manifest.kind, Kind::Fork | Kind::Hibernate) && !needed.contains(&manifest.id) {
             tracing::debug!(capture = %manifest.id, "deleting unused capture");
+            if !manifest.memory_file.starts_with(&path) {
+                let _ = std::fs::remove_file(&manifest.memory_file);
+            }
             let _ = std::fs::remove_dir_all(path);
+        } else {
+            kept_memory.insert(manifest.memory_file);
+        }
+    }
+    if fork_memory_dir == captures_dir {
+        return;
+    }
+    for entry in std::fs::read_dir(fork_memory_dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let in_progress = captures_dir
+            .join(format!("{}.tmp", path.file_stem().unwrap_or_default().to_string_lossy()))
+            .exists();
+        if !kept_memory.contains(&path) && !in_progress {
+            let _ = std::fs::remove_file(path);
         }
     }
 }

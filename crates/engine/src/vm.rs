@@ -136,8 +136,10 @@ pub(crate) async fn restore(
     };
     let devices = std::fs::File::open(&source.devices_file)
         .io_context(|| format!("opening {}", source.devices_file.display()))?;
+    let started = Instant::now();
     let mut child = spec.spawn(Some(devices.into()))?;
     let pid = child.id().unwrap_or(0);
+    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "qemu spawned");
     match connect_restored(dir, id, &mut child).await {
         Ok((qmp, agent)) => Ok(Live {
             child,
@@ -165,9 +167,20 @@ async fn connect_restored(
     };
     // The agent's socket must be connected before the device state loads, so
     // the guest sees the same "host connected" state it was saved with.
+    let started = Instant::now();
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        let mut events = qmp.events();
+        let id = id.to_string();
+        tokio::spawn(async move {
+            while let Ok(event) = events.recv().await {
+                tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, event = event.event, "qmp event");
+            }
+        });
+    }
     let stream = connect_unix(&qemu::agent_socket(dir), Duration::from_secs(5)).await?;
     qmp.migrate_incoming(&format!("fd:{}", qemu::INCOMING_FD))
         .await?;
+    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "migrate-incoming sent");
     let agent = tokio::select! {
         agent = tokio::time::timeout(RESTORE_DEADLINE, AgentClient::connect_with_deadline(stream, RESTORE_DEADLINE)) => match agent {
             Ok(agent) => agent?,
@@ -175,7 +188,9 @@ async fn connect_restored(
         },
         status = child.wait() => return Err(exited(status)),
     };
+    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "agent answered");
     give_identity(&agent, id).await?;
+    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "identity given");
     Ok((qmp, agent))
 }
 
