@@ -97,7 +97,7 @@ impl LaunchSpec {
             }
             Accel::Tcg => {
                 push("-accel");
-                push(&format!("tcg,tb-size={TCG_TB_SIZE_MIB}{}", std::env::var("SHOAL_TCG_EXTRA").unwrap_or_default()));
+                push(&format!("tcg,tb-size={TCG_TB_SIZE_MIB}"));
                 push("-cpu");
                 push("max");
             }

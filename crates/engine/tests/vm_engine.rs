@@ -90,7 +90,7 @@ fn fork_children_inherit_memory_and_disk_and_diverge() {
         // A process holding a counter in memory, printing it to a file.
         stdout(
             &agent,
-            "nohup python3 -c '\nimport time\nn = 0\nwhile True:\n    n += 1\n    open(\"/tmp/count\", \"w\").write(str(n))\n    time.sleep(0.05)\n' >/dev/null 2>&1 & sleep 1; cat /tmp/count",
+            "nohup python3 -c '\nimport os, time\nn = 0\nwhile True:\n    n += 1\n    open(\"/tmp/count.new\", \"w\").write(str(n))\n    os.replace(\"/tmp/count.new\", \"/tmp/count\")\n    time.sleep(0.05)\n' >/dev/null 2>&1 & for i in $(seq 300); do [ -s /tmp/count ] && break; sleep 0.1; done; cat /tmp/count",
         )
         .await;
         let at_fork: u64 = stdout(&agent, "cat /tmp/count").await.parse().unwrap();
