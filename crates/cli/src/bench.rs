@@ -35,6 +35,11 @@ pub struct EngineBenchArgs {
     guest_agent: Option<PathBuf>,
 }
 
+/// Pause before each exec-round-trip sample, so each one measures an exec
+/// on a sandbox at rest (the guest refills its warm shells between execs);
+/// back-to-back execs are reported separately as a burst figure.
+const EXEC_SPACING: Duration = Duration::from_millis(100);
+
 /// `{"n","p50","p95","p99","max"}` of samples in milliseconds.
 pub fn summary(samples: &[f64]) -> serde_json::Value {
     let mut sorted = samples.to_vec();
@@ -109,9 +114,17 @@ async fn run(engine: &Engine, args: &EngineBenchArgs) -> Result<serde_json::Valu
     let agent = engine.agent(&sandbox.id).await?;
     let mut exec_rtt_ms = Vec::new();
     for _ in 0..args.exec_samples {
+        tokio::time::sleep(EXEC_SPACING).await;
         let start = Instant::now();
         let out = agent.exec_collect(exec("true")).await?;
         exec_rtt_ms.push(ms(start));
+        anyhow::ensure!(out.status.code == Some(0), "`true` failed in the guest");
+    }
+    let mut exec_burst_ms = Vec::new();
+    for _ in 0..args.exec_samples {
+        let start = Instant::now();
+        let out = agent.exec_collect(exec("true")).await?;
+        exec_burst_ms.push(ms(start));
         anyhow::ensure!(out.status.code == Some(0), "`true` failed in the guest");
     }
 
@@ -171,6 +184,8 @@ async fn run(engine: &Engine, args: &EngineBenchArgs) -> Result<serde_json::Valu
         "create_ms": summary(&create_ms),
         "create_exec_ms": summary(&create_exec_ms),
         "exec_rtt_ms": summary(&exec_rtt_ms),
+        "exec_spacing_ms": EXEC_SPACING.as_millis() as u64,
+        "exec_burst_rtt_ms": summary(&exec_burst_ms),
         "fork16_first_ms": summary(&fork_first_ms),
         "fork16_all_ms": summary(&fork_all_ms),
         "idle_count": answered,
@@ -201,4 +216,127 @@ mod tests {
         assert_eq!(s["p99"], 99.0);
         assert_eq!(s["max"], 100.0);
     }
+}
+
+#[derive(clap::Args)]
+pub struct ApiBenchArgs {
+    /// Where `shoal up` serves.
+    #[arg(long, default_value = "http://127.0.0.1:8080", env = "PANDASTACK_API")]
+    url: String,
+    /// An API token (a pro or team account, so quotas do not cut the run).
+    #[arg(long, env = "PANDASTACK_API_KEY")]
+    token: String,
+    /// Where to write the JSON report.
+    #[arg(long)]
+    json: PathBuf,
+    #[arg(long, default_value = "code-interpreter")]
+    template: String,
+    /// Creates through HTTP.
+    #[arg(long, default_value_t = 100)]
+    samples: usize,
+    /// Exec round trips through HTTP on one sandbox.
+    #[arg(long, default_value_t = 200)]
+    exec_samples: usize,
+    /// Seconds of `GET /v1/sandboxes/{id}` load.
+    #[arg(long, default_value_t = 10)]
+    get_seconds: u64,
+    /// Concurrent connections for the GET load.
+    #[arg(long, default_value_t = 32)]
+    connections: usize,
+}
+
+/// `shoal bench api`: create, exec and GET through a running `shoal up`.
+pub async fn api(args: ApiBenchArgs) -> Result<()> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.connections * 2)
+        .build()?;
+    let base = args.url.trim_end_matches('/').to_string();
+    let auth = format!("Bearer {}", args.token);
+    let create = || async {
+        let response = client
+            .post(format!("{base}/v1/sandboxes"))
+            .header("Authorization", &auth)
+            .json(&json!({ "template": args.template }))
+            .send()
+            .await?;
+        anyhow::ensure!(response.status() == 201, "create answered {}: {}", response.status(), response.text().await?);
+        let body: serde_json::Value = response.json().await?;
+        Ok::<String, anyhow::Error>(body["id"].as_str().unwrap_or_default().to_string())
+    };
+    let delete = |id: String| {
+        let request = client
+            .delete(format!("{base}/v1/sandboxes/{id}"))
+            .header("Authorization", &auth);
+        async move {
+            let status = request.send().await?.status();
+            anyhow::ensure!(status == 204, "delete answered {status}");
+            Ok::<(), anyhow::Error>(())
+        }
+    };
+
+    let progress = indicatif::ProgressBar::new((args.samples + args.exec_samples) as u64);
+    let mut create_ms = Vec::new();
+    for _ in 0..args.samples {
+        let start = Instant::now();
+        let id = create().await?;
+        create_ms.push(ms(start));
+        delete(id).await?;
+        progress.inc(1);
+    }
+
+    let id = create().await?;
+    let mut exec_rtt_ms = Vec::new();
+    for _ in 0..args.exec_samples {
+        tokio::time::sleep(EXEC_SPACING).await;
+        let start = Instant::now();
+        let response = client
+            .post(format!("{base}/v1/sandboxes/{id}/exec"))
+            .header("Authorization", &auth)
+            .json(&json!({ "cmd": "true" }))
+            .send()
+            .await?;
+        anyhow::ensure!(response.status() == 200, "exec answered {}", response.status());
+        let _ = response.bytes().await?;
+        exec_rtt_ms.push(ms(start));
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+
+    let deadline = Instant::now() + Duration::from_secs(args.get_seconds);
+    let workers: Vec<_> = (0..args.connections)
+        .map(|_| {
+            let (client, url, auth) = (client.clone(), format!("{base}/v1/sandboxes/{id}"), auth.clone());
+            tokio::spawn(async move {
+                let mut done = 0u64;
+                while Instant::now() < deadline {
+                    let response = client.get(&url).header("Authorization", &auth).send().await?;
+                    anyhow::ensure!(response.status() == 200, "get answered {}", response.status());
+                    let _ = response.bytes().await?;
+                    done += 1;
+                }
+                Ok::<u64, anyhow::Error>(done)
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let mut total = 0u64;
+    for worker in workers {
+        total += worker.await??;
+    }
+    let get_rps = total as f64 / started.elapsed().as_secs_f64();
+    delete(id).await?;
+
+    let report = json!({
+        "url": base,
+        "template": args.template,
+        "create_ms": summary(&create_ms),
+        "exec_rtt_ms": summary(&exec_rtt_ms),
+        "exec_spacing_ms": EXEC_SPACING.as_millis() as u64,
+        "get_rps": round(get_rps),
+        "get_connections": args.connections,
+    });
+    std::fs::write(&args.json, serde_json::to_vec_pretty(&report)?)
+        .with_context(|| format!("writing {}", args.json.display()))?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
 }

@@ -5,6 +5,7 @@
 //! live in `bench.rs` and only call the engine's public API.
 
 mod bench;
+mod up;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -36,14 +37,18 @@ struct EngineArgs {
 }
 
 impl EngineArgs {
-    async fn open(&self) -> Result<Engine> {
+    fn config(&self) -> EngineConfig {
         let mut config = EngineConfig::new(&self.state_dir);
         config.accel = self.accel;
         config.qemu = self.qemu.clone();
         if let Some(cache) = &self.cache_dir {
             config.cache_dir = cache.clone();
         }
-        Engine::open(config)
+        config
+    }
+
+    async fn open(&self) -> Result<Engine> {
+        Engine::open(self.config())
             .await
             .with_context(|| format!("opening the engine on {}", self.state_dir.display()))
     }
@@ -81,6 +86,13 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         fork: usize,
     },
+    /// Run one host: the HTTP API, the host agent and the database.
+    Up(up::UpArgs),
+    /// API tokens.
+    Token {
+        #[command(subcommand)]
+        command: TokenCommand,
+    },
     /// Measure the engine and write a JSON report.
     Bench {
         #[command(subcommand)]
@@ -108,9 +120,17 @@ enum TemplateCommand {
 }
 
 #[derive(Subcommand)]
+enum TokenCommand {
+    /// Create an API token (and its account, if new); prints the token.
+    Create(up::TokenArgs),
+}
+
+#[derive(Subcommand)]
 enum BenchCommand {
     /// Create, exec, fork and density on the real VM path.
     Engine(bench::EngineBenchArgs),
+    /// Create, exec and GET through a running `shoal up`.
+    Api(bench::ApiBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -254,10 +274,26 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
             }
         }
+        Command::Up(args) => {
+            up::up(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Token {
+            command: TokenCommand::Create(args),
+        } => {
+            up::token(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {
             bench::engine(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            command: BenchCommand::Api(args),
+        } => {
+            bench::api(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
     }

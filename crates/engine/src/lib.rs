@@ -379,6 +379,12 @@ impl Engine {
         }
     }
 
+    /// The guest's console output (kernel and guest agent), as a file.
+    pub fn console_log(&self, id: &str) -> Result<PathBuf> {
+        let vm = self.vm(id)?;
+        Ok(qemu::console_log(&vm.dir))
+    }
+
     pub async fn get(&self, id: &str) -> Result<SandboxInfo> {
         let vm = self.vm(id)?;
         Ok(self.info_of(&vm).await)
@@ -436,6 +442,13 @@ impl Engine {
     /// Forks a running sandbox into `count` children that start from its
     /// memory and disk as they are now. The parent goes on running.
     pub async fn fork(&self, id: &str, count: usize) -> Result<Fork> {
+        self.fork_into(id, (0..count).map(|_| new_sandbox_id()).collect())
+            .await
+    }
+
+    /// [`Engine::fork`] with the children's ids chosen by the caller.
+    pub async fn fork_into(&self, id: &str, child_ids: Vec<String>) -> Result<Fork> {
+        let count = child_ids.len();
         if count == 0 || count > 64 {
             return Err(EngineError::InvalidInput(format!(
                 "fork count {count} must be between 1 and 64"
@@ -454,9 +467,9 @@ impl Engine {
         // code afresh), so more at once than there are cores only makes every
         // child late; in waves, the first children answer early.
         let slots = tokio::sync::Semaphore::new(restore_parallelism());
-        let children = futures::future::join_all((0..count).map(|_| async {
+        let children = futures::future::join_all(child_ids.into_iter().map(|child| async {
             let _slot = slots.acquire().await.expect("the semaphore is never closed");
-            self.start_from(new_sandbox_id(), point.clone()).await
+            self.start_from(child, point.clone()).await
         }))
         .await;
         let mut out = Vec::new();

@@ -99,7 +99,7 @@ const REAP: &str = concat!(
     sandbox_columns!(),
     " FROM sandboxes WHERE ",
     live!(),
-    " AND ((NOT persistent AND running_execs = 0 AND $1 - last_activity_at > ttl_seconds) \
+    " AND ((NOT persistent AND running_execs = 0 AND ttl_seconds > 0 AND $1 - last_activity_at > ttl_seconds) \
      OR (max_lifetime_seconds IS NOT NULL AND $1 - created_at > max_lifetime_seconds)) \
      ORDER BY created_at, id"
 );

@@ -1,0 +1,135 @@
+//! `shoal up` (one host: API, host agent and database in one process) and
+//! `shoal token create`.
+
+use anyhow::{Context, Result};
+use shoal_control::{ControlConfig, ControlPlane};
+use shoal_host::{HostAgent, HostConfig};
+use shoal_store::{Store, Tier};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct UpArgs {
+    #[command(flatten)]
+    engine: super::EngineArgs,
+    /// Address to serve the HTTP API on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    /// Sandboxes held in memory at once; more are refused with 503.
+    #[arg(long)]
+    max_sandboxes: Option<usize>,
+    /// Memory (MiB) kept free on the host; creates that would go below are refused with 507.
+    #[arg(long, default_value_t = 1024)]
+    memory_reserve_mib: u64,
+    /// Seconds between idle-reaper passes.
+    #[arg(long, default_value_t = 30)]
+    reap_interval: u64,
+    /// The guest agent binary to install in templates (default: next to `shoal`).
+    #[arg(long, env = "SHOAL_GUEST_AGENT")]
+    guest_agent: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct DatabaseArgs {
+    /// `postgres://...` or `sqlite:PATH`; default: SQLite at <state-dir>/shoal.db.
+    #[arg(long, env = "SHOAL_DATABASE_URL")]
+    database_url: Option<String>,
+}
+
+impl DatabaseArgs {
+    fn url(&self, state_dir: &std::path::Path) -> String {
+        self.database_url
+            .clone()
+            .unwrap_or_else(|| format!("sqlite:{}", state_dir.join("shoal.db").display()))
+    }
+}
+
+#[derive(clap::Args)]
+pub struct TokenArgs {
+    /// The account the token acts for (made if new).
+    #[arg(long)]
+    account: String,
+    #[arg(long, default_value = "free")]
+    tier: String,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    /// Where the default SQLite database lives.
+    #[arg(long, env = "SHOAL_STATE_DIR", default_value = "/var/lib/shoal")]
+    state_dir: PathBuf,
+}
+
+pub async fn token(args: TokenArgs) -> Result<()> {
+    let tier: Tier = args.tier.parse().context("--tier must be free, pro or team")?;
+    let store = Store::connect(&args.database.url(&args.state_dir)).await?;
+    let token = store.create_token(&args.account, tier).await?;
+    eprintln!("API token for account {} ({tier} tier):", args.account);
+    println!("{token}");
+    store.close().await;
+    Ok(())
+}
+
+pub async fn up(args: UpArgs) -> Result<()> {
+    let mut engine = args.engine.config();
+    engine.state_dir = args.engine.state_dir.clone();
+    let host = HostAgent::open(HostConfig {
+        engine,
+        max_sandboxes: args.max_sandboxes,
+        memory_reserve_mib: args.memory_reserve_mib,
+    })
+    .await
+    .context("opening the host agent")?;
+
+    let agent = super::guest_agent_path(args.guest_agent.clone())?;
+    let progress = indicatif::MultiProgress::new();
+    for spec in shoal_image::first_party_templates() {
+        let manifest = host
+            .engine()
+            .build_template(&spec.name, &agent, &progress)
+            .await
+            .with_context(|| format!("building template {}", spec.name))?;
+        eprintln!("template {}: ready ({} vCPUs, {} MiB, {})", spec.name, manifest.vcpus, manifest.memory_mib, manifest.accel);
+    }
+
+    let url = args.database.url(&args.engine.state_dir);
+    let store = Store::connect(&url)
+        .await
+        .with_context(|| format!("opening the database {url}"))?;
+    let mut config = ControlConfig::default();
+    config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
+    let control = ControlPlane::new(store.clone(), host.clone(), config);
+    control
+        .start_background()
+        .await
+        .map_err(|e| anyhow::anyhow!("reconciling the database with the host: {}", e.message))?;
+
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let address = listener.local_addr()?;
+    println!("Shoal is up: http://{address} ({} database, {} accelerator)", store.backend(), host.engine().accel().as_str());
+    println!("  token:  shoal token create --account NAME --tier free|pro|team{}", match &args.database.database_url {
+        Some(url) => format!(" --database-url {url}"),
+        None => format!(" --state-dir {}", args.engine.state_dir.display()),
+    });
+    println!("  client: PANDASTACK_API=http://{address} PANDASTACK_API_KEY=<token> python3 -c 'import pandastack'");
+    use std::io::Write;
+    std::io::stdout().flush()?;
+
+    axum::serve(listener, shoal_control::router(control))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    eprintln!("shutting down: stopping sandboxes");
+    host.engine().kill_all().await;
+    store.close().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

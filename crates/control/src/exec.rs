@@ -1,0 +1,243 @@
+//! Exec and exec/stream. An exec in flight counts as activity in the
+//! database (`running_execs`), so the idle reaper never takes a sandbox in
+//! the middle of a command, however quiet the command is.
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Body, Caller};
+use crate::{now, ControlPlane};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use shoal_proto::client::{ExecEvent, ExecRequest, ExitStatus};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct ExecBody {
+    cmd: Option<String>,
+    timeout_seconds: Option<f64>,
+    env: Option<BTreeMap<String, String>>,
+    cwd: Option<String>,
+}
+
+impl ExecBody {
+    fn request(self) -> ApiResult<(ExecRequest, Option<f64>)> {
+        let cmd = self
+            .cmd
+            .filter(|c| !c.trim().is_empty())
+            .ok_or_else(|| ApiError::bad_request("cmd must be a non-empty string"))?;
+        let timeout = match self.timeout_seconds {
+            Some(t) if t < 0.0 || !t.is_finite() => {
+                return Err(ApiError::bad_request("timeout_seconds must be a positive number"))
+            }
+            Some(t) if t > 0.0 => Some(t),
+            _ => None,
+        };
+        let mut request = ExecRequest::new(cmd);
+        request.env = self.env.unwrap_or_default();
+        request.cwd = self.cwd;
+        request.timeout = timeout.map(Duration::from_secs_f64);
+        Ok((request, timeout))
+    }
+}
+
+/// Holds `running_execs` up for one exec; lowers it when dropped, even when
+/// a streaming client goes away mid-command.
+struct Activity {
+    cp: Arc<ControlPlane>,
+    id: String,
+}
+
+impl Activity {
+    async fn start(cp: &Arc<ControlPlane>, id: &str) -> ApiResult<Activity> {
+        cp.store.exec_started(id, now()).await?;
+        Ok(Activity {
+            cp: cp.clone(),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Drop for Activity {
+    fn drop(&mut self) {
+        let (cp, id) = (self.cp.clone(), std::mem::take(&mut self.id));
+        tokio::spawn(async move {
+            if let Err(e) = cp.store.exec_finished(&id, now()).await {
+                tracing::error!(id, error = %e, "recording the end of an exec");
+            }
+            cp.touch(&id);
+        });
+    }
+}
+
+fn exit_code(status: &ExitStatus) -> i32 {
+    status.code.unwrap_or_else(|| 128 + status.signal.unwrap_or(0))
+}
+
+fn timeout_message(seconds: Option<f64>) -> String {
+    format!("command timeout after {}s", seconds.unwrap_or(0.0))
+}
+
+pub async fn exec(
+    State(cp): State<Arc<ControlPlane>>,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    Body(body): Body<ExecBody>,
+) -> ApiResult<Json<Value>> {
+    let (request, timeout) = body.request()?;
+    cp.running(&account, &id).await?;
+    let agent = cp.host.engine().agent(&id).await?;
+    let _activity = Activity::start(&cp, &id).await?;
+    let output = agent.exec_collect(request).await?;
+    if output.status.timed_out {
+        return Err(ApiError::new(StatusCode::GATEWAY_TIMEOUT, timeout_message(timeout)));
+    }
+    Ok(Json(json!({
+        "stdout": String::from_utf8_lossy(&output.stdout),
+        "stderr": String::from_utf8_lossy(&output.stderr),
+        "exit_code": exit_code(&output.status),
+        "duration_ms": output.status.duration_ms,
+    })))
+}
+
+pub async fn exec_stream(
+    State(cp): State<Arc<ControlPlane>>,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    Body(body): Body<ExecBody>,
+) -> ApiResult<Response> {
+    let (request, timeout) = body.request()?;
+    cp.running(&account, &id).await?;
+    let agent = cp.host.engine().agent(&id).await?;
+    let activity = Activity::start(&cp, &id).await?;
+    let mut handle = agent.exec(request).await?;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
+    tokio::spawn(async move {
+        let _activity = activity;
+        let (mut stdout, mut stderr) = (Utf8Decoder::default(), Utf8Decoder::default());
+        loop {
+            let event = match handle.next_event().await {
+                Ok(ExecEvent::Stdout(bytes)) => sse("stdout", json!({ "chunk": stdout.push(&bytes) })),
+                Ok(ExecEvent::Stderr(bytes)) => sse("stderr", json!({ "chunk": stderr.push(&bytes) })),
+                Ok(ExecEvent::Exit(status)) => {
+                    let last = if status.timed_out {
+                        sse("error", json!({ "error": timeout_message(timeout) }))
+                    } else {
+                        sse("exit", json!({ "exit_code": exit_code(&status) }))
+                    };
+                    let _ = tx.send(last).await;
+                    return;
+                }
+                Err(e) => {
+                    let _ = tx.send(sse("error", json!({ "error": format!("guest agent: {e}") }))).await;
+                    return;
+                }
+            };
+            if tx.send(event).await.is_err() {
+                // The client is gone: so is its command.
+                let _ = handle.signal(9).await;
+                return;
+            }
+        }
+    });
+    let events = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|e| (Ok::<_, std::convert::Infallible>(e), rx))
+    });
+    let mut response = Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)).text("keep-alive"))
+        .into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    Ok(response)
+}
+
+/// One SSE event whose data is ASCII-only JSON (CONTRACT.md 4.6: requests
+/// splits lines on U+0085, U+2028 and U+2029 and decodes without a charset
+/// as Latin-1, so anything but ASCII may cut the line).
+pub fn sse(name: &str, data: Value) -> Event {
+    Event::default().event(name).data(ascii_json(&data))
+}
+
+pub fn ascii_json(value: &Value) -> String {
+    let text = value.to_string();
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        }
+    }
+    out
+}
+
+/// Decodes a byte stream as UTF-8 without breaking a character split
+/// across chunks; invalid bytes become U+FFFD.
+#[derive(Default)]
+pub struct Utf8Decoder {
+    pending: Vec<u8>,
+}
+
+impl Utf8Decoder {
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(text) => {
+                    out.push_str(text);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(std::str::from_utf8(&self.pending[..valid]).expect("checked"));
+                    match e.error_len() {
+                        // An incomplete character at the end: wait for the rest.
+                        None => {
+                            self.pending.drain(..valid);
+                            return out;
+                        }
+                        Some(bad) => {
+                            out.push('\u{fffd}');
+                            self.pending.drain(..valid + bad);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_data_is_ascii_json() {
+        let text = ascii_json(&json!({"chunk": "Å\u{2028}😀"}));
+        assert!(text.is_ascii());
+        let back: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back["chunk"], "Å\u{2028}😀");
+    }
+
+    #[test]
+    fn characters_split_across_chunks_survive() {
+        let mut decoder = Utf8Decoder::default();
+        let bytes = "aÅb".as_bytes();
+        assert_eq!(decoder.push(&bytes[..2]), "a");
+        assert_eq!(decoder.push(&bytes[2..]), "Åb");
+        assert_eq!(decoder.push(&[0xff, b'c']), "\u{fffd}c");
+    }
+}

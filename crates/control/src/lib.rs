@@ -1,0 +1,178 @@
+//! The control plane: PandaStack's HTTP API over one host agent, with
+//! accounts, tokens, tier quotas, the idle reaper and metering.
+//!
+//! Owns: the routes (see `docs/api/CONTRACT.md`, served as
+//! `docs/api/openapi.json`), authentication and tenancy (a token sees only
+//! its own account's objects; anything else is a 404), quota admission
+//! through the store, and the background lifecycle and metering loops.
+//!
+//! Does not touch: QEMU or the guest directly (only through
+//! [`shoal_host::HostAgent`]), or SQL (only through [`shoal_store::Store`]).
+
+mod error;
+mod exec;
+mod extract;
+mod files;
+mod lifecycle;
+mod meta;
+mod repl;
+mod sandboxes;
+mod usage;
+
+pub use error::{ApiError, ApiResult};
+pub use lifecycle::LifecycleConfig;
+
+use axum::routing::{get, post};
+use axum::Router;
+use shoal_host::HostAgent;
+use shoal_store::{Account, Store, Tier, TierLimits};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The OpenAPI document, served as is and held to the router by a test.
+pub const OPENAPI: &str = include_str!("../../../docs/api/openapi.json");
+
+/// Settings of one control plane.
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    /// Name of the host its sandboxes run on (recorded in their rows).
+    pub host_name: String,
+    pub limits: HashMap<Tier, TierLimits>,
+    pub lifecycle: LifecycleConfig,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig {
+            host_name: "local".into(),
+            limits: [Tier::Free, Tier::Pro, Tier::Team]
+                .into_iter()
+                .map(|t| (t, TierLimits::default_for(t)))
+                .collect(),
+            lifecycle: LifecycleConfig::default(),
+        }
+    }
+}
+
+/// How long a checked token is trusted without asking the database again.
+const TOKEN_CACHE_TTL: Duration = Duration::from_secs(10);
+
+pub struct ControlPlane {
+    pub store: Store,
+    pub host: Arc<HostAgent>,
+    pub config: ControlConfig,
+    tokens: Mutex<HashMap<String, (Account, Instant)>>,
+    meter: lifecycle::Meter,
+}
+
+impl ControlPlane {
+    pub fn new(store: Store, host: Arc<HostAgent>, config: ControlConfig) -> Arc<Self> {
+        Arc::new(ControlPlane {
+            store,
+            host,
+            config,
+            tokens: Mutex::default(),
+            meter: lifecycle::Meter::default(),
+        })
+    }
+
+    pub fn limits(&self, tier: Tier) -> TierLimits {
+        self.config
+            .limits
+            .get(&tier)
+            .copied()
+            .unwrap_or_else(|| TierLimits::default_for(tier))
+    }
+
+    /// The account of `token`, from a short cache in front of the store (the
+    /// cache is keyed by the token's hash, like the store).
+    async fn authenticate(&self, token: &str) -> ApiResult<Option<Account>> {
+        let key = shoal_store::token_hash(token);
+        if let Some((account, at)) = self.tokens.lock().unwrap().get(&key) {
+            if at.elapsed() < TOKEN_CACHE_TTL {
+                return Ok(Some(account.clone()));
+            }
+        }
+        let account = self.store.authenticate(token).await?;
+        if let Some(account) = &account {
+            self.tokens
+                .lock()
+                .unwrap()
+                .insert(key, (account.clone(), Instant::now()));
+        }
+        Ok(account)
+    }
+
+    /// Brings the database in line with the host after a restart, then
+    /// starts the reaper and the meter.
+    pub async fn start_background(self: &Arc<Self>) -> ApiResult<()> {
+        lifecycle::reconcile(self).await?;
+        lifecycle::spawn(self.clone());
+        Ok(())
+    }
+}
+
+pub fn router(state: Arc<ControlPlane>) -> Router {
+    let sandbox = "/v1/sandboxes/{id}";
+    Router::new()
+        .route("/healthz", get(meta::healthz))
+        .route("/v1/openapi.json", get(meta::openapi))
+        .route("/v1/me", get(meta::me))
+        .route("/v1/templates", get(meta::templates))
+        .route("/v1/snapshots", get(meta::snapshots))
+        .route("/v1/volumes", get(meta::volumes))
+        .route("/v1/usage", get(usage::account_usage))
+        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
+        .route(sandbox, get(sandboxes::get).delete(sandboxes::delete))
+        .route(&format!("{sandbox}/exec"), post(exec::exec))
+        .route(&format!("{sandbox}/exec/stream"), post(exec::exec_stream))
+        .route(
+            &format!("{sandbox}/fs"),
+            get(files::read).put(files::write).delete(files::remove),
+        )
+        .route(&format!("{sandbox}/fs/dir"), get(files::list_dir))
+        .route(&format!("{sandbox}/fs/stat"), get(files::stat))
+        .route(&format!("{sandbox}/fork"), post(sandboxes::fork))
+        .route(&format!("{sandbox}/fork-tree"), post(sandboxes::fork_tree))
+        .route(&format!("{sandbox}/promote"), post(sandboxes::promote))
+        .route(
+            &format!("{sandbox}/lifecycle"),
+            get(sandboxes::lifecycle).patch(sandboxes::set_lifecycle),
+        )
+        .route(&format!("{sandbox}/pause"), post(sandboxes::pause))
+        .route(&format!("{sandbox}/resume"), post(sandboxes::resume))
+        .route(&format!("{sandbox}/hibernate"), post(sandboxes::hibernate))
+        .route(&format!("{sandbox}/wake"), post(sandboxes::wake))
+        .route(&format!("{sandbox}/snapshots"), post(sandboxes::snapshot))
+        .route(&format!("{sandbox}/logs"), get(meta::logs))
+        .route(&format!("{sandbox}/ports"), get(meta::ports))
+        .route(&format!("{sandbox}/usage"), get(usage::sandbox_usage))
+        .route(&format!("{sandbox}/repl/sessions"), post(repl::create))
+        .route(
+            &format!("{sandbox}/repl/sessions/{{session_id}}"),
+            axum::routing::delete(repl::close),
+        )
+        .route(&format!("{sandbox}/repl/sessions/{{session_id}}/run"), post(repl::run))
+        .fallback(|| async { ApiError::not_found("not found") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+        })
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+/// Seconds since the epoch, as the store keeps time.
+pub fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// RFC 3339 UTC with milliseconds, as the API shows time.
+pub fn rfc3339(seconds: f64) -> String {
+    chrono::DateTime::from_timestamp_millis((seconds * 1000.0) as i64)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}

@@ -1,0 +1,505 @@
+//! Sandboxes: create, list, get, delete, fork, fork-tree, promote,
+//! lifecycle, pause, resume, hibernate, wake and snapshots.
+//!
+//! Order in a create: validate, take a host slot (503/507 refusals happen
+//! here, before anything exists), admit through the quota (429), then
+//! restore. A failure after admission marks the row failed and is a 500.
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{Body, Caller};
+use crate::{now, rfc3339, ControlPlane};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use shoal_host::{SandboxInfo, Source};
+use shoal_store::{status, Account, Metadata, NewSandbox, SandboxPatch, SandboxRow, SnapshotRow};
+use std::sync::Arc;
+
+pub const DEFAULT_TTL_SECONDS: u64 = 300;
+const MAX_METADATA_KEYS: usize = 64;
+const MAX_FORK_TREE: usize = 16;
+
+type St = State<Arc<ControlPlane>>;
+
+/// The sandbox JSON of CONTRACT.md 2.1.
+pub fn sandbox_json(row: &SandboxRow) -> Value {
+    json!({
+        "id": row.id,
+        "template": row.template,
+        "cpu": row.cpu,
+        "memory_mb": row.memory_mb,
+        "status": row.status,
+        "guest_ip": row.guest_ip,
+        "created_at": rfc3339(row.created_at),
+        "metadata": row.metadata,
+        "from_snapshot": row.from_snapshot,
+        "boot_ms": row.boot_ms.map(|ms| ms.round() as i64),
+        "boot_mode": row.boot_mode,
+        "persistent": row.persistent,
+        "ttl_seconds": row.ttl_seconds,
+        "max_lifetime_seconds": row.max_lifetime_seconds,
+    })
+}
+
+impl ControlPlane {
+    /// The caller's live sandbox `id`, or 404; counts as activity on it.
+    pub(crate) async fn owned(&self, account: &Account, id: &str) -> ApiResult<SandboxRow> {
+        match self.store.get_sandbox(account.id, id).await? {
+            Some(row) if row.is_live() && row.status != status::CREATING => {
+                self.touch(id);
+                Ok(row)
+            }
+            _ => Err(ApiError::sandbox_not_found()),
+        }
+    }
+
+    /// The caller's sandbox, running: a hibernated one is woken first (the
+    /// SDK promises that), a paused one is a 409.
+    pub(crate) async fn running(&self, account: &Account, id: &str) -> ApiResult<SandboxRow> {
+        let mut row = self.owned(account, id).await?;
+        match row.status.as_str() {
+            "running" => Ok(row),
+            "hibernated" => {
+                self.host.wake(id).await?;
+                self.set_status(id, "running").await?;
+                row.status = "running".into();
+                Ok(row)
+            }
+            other => Err(ApiError::conflict(format!("sandbox is {other}"))),
+        }
+    }
+
+    pub(crate) async fn set_status(&self, id: &str, new: &str) -> ApiResult<()> {
+        self.store
+            .update_sandbox(
+                id,
+                SandboxPatch {
+                    status: Some(new.into()),
+                    ..SandboxPatch::default()
+                },
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Marks a sandbox that came up as running, with how it came up.
+    async fn came_up(&self, row: &mut SandboxRow, info: &SandboxInfo, mode: &str) -> ApiResult<()> {
+        let patch = SandboxPatch {
+            status: Some("running".into()),
+            host: Some(self.config.host_name.clone()),
+            boot_ms: Some(info.restore_ms),
+            boot_mode: Some(mode.into()),
+            if_status: Some(status::CREATING.into()),
+            ..SandboxPatch::default()
+        };
+        self.store.update_sandbox(&row.id, patch).await?;
+        row.status = "running".into();
+        row.host = Some(self.config.host_name.clone());
+        row.boot_ms = Some(info.restore_ms);
+        row.boot_mode = Some(mode.into());
+        Ok(())
+    }
+
+    async fn mark_failed(&self, id: &str) {
+        let patch = SandboxPatch {
+            status: Some(status::FAILED.into()),
+            deleted_at: Some(now()),
+            ..SandboxPatch::default()
+        };
+        if let Err(e) = self.store.update_sandbox(id, patch).await {
+            tracing::error!(id, error = %e, "marking a sandbox failed");
+        }
+    }
+
+    /// Stops a sandbox and records it deleted (its usage rows stay).
+    pub(crate) async fn destroy(&self, id: &str) -> ApiResult<()> {
+        self.meter.sample_one(self, id).await;
+        self.host.kill(id).await?;
+        let patch = SandboxPatch {
+            status: Some(status::DELETED.into()),
+            deleted_at: Some(now()),
+            ..SandboxPatch::default()
+        };
+        self.store.update_sandbox(id, patch).await?;
+        Ok(())
+    }
+}
+
+fn new_id() -> String {
+    format!("sb-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct CreateBody {
+    template: Option<String>,
+    ttl_seconds: Option<i64>,
+    max_lifetime_seconds: Option<i64>,
+    persistent: Option<bool>,
+    metadata: Option<Metadata>,
+    from_snapshot: Option<String>,
+    volumes: Option<Vec<VolumeRef>>,
+}
+
+#[derive(Deserialize)]
+struct VolumeRef {
+    name: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    read_only: bool,
+}
+
+fn seconds(field: &str, value: Option<i64>) -> ApiResult<Option<u64>> {
+    match value {
+        Some(v) if v < 0 => Err(ApiError::bad_request(format!("{field} must not be negative"))),
+        other => Ok(other.map(|v| v as u64)),
+    }
+}
+
+fn check_metadata(metadata: &Metadata) -> ApiResult<()> {
+    if metadata.len() > MAX_METADATA_KEYS {
+        return Err(ApiError::bad_request(format!(
+            "metadata holds at most {MAX_METADATA_KEYS} keys"
+        )));
+    }
+    for (key, value) in metadata {
+        if key.is_empty() || key.len() > 128 || value.len() > 1024 {
+            return Err(ApiError::bad_request(
+                "metadata keys are 1-128 characters and values at most 1024",
+            ));
+        }
+        if key.starts_with("fork_") {
+            return Err(ApiError::bad_request(format!("metadata key {key} is reserved")));
+        }
+    }
+    Ok(())
+}
+
+fn valid_template_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+pub async fn create(State(cp): St, Caller(account): Caller, Body(body): Body<CreateBody>) -> ApiResult<impl IntoResponse> {
+    let ttl = seconds("ttl_seconds", body.ttl_seconds)?.unwrap_or(DEFAULT_TTL_SECONDS);
+    let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
+    let metadata = body.metadata.unwrap_or_default();
+    check_metadata(&metadata)?;
+    if let Some(volume) = body.volumes.unwrap_or_default().first() {
+        return Err(ApiError::not_found(format!("volume not found: {}", volume.name)));
+    }
+    let (source, template, mode) = match &body.from_snapshot {
+        Some(snapshot) => {
+            let row = cp
+                .store
+                .get_snapshot(account.id, snapshot)
+                .await?
+                .ok_or_else(|| ApiError::not_found("snapshot not found"))?;
+            (Source::Snapshot(row.id.clone()), row.template, "snapshot")
+        }
+        None => {
+            let name = body.template.unwrap_or_else(|| "code-interpreter".into());
+            if !valid_template_name(&name) {
+                return Err(ApiError::bad_request(format!("unknown template: {name}")));
+            }
+            (Source::Template(name.clone()), name, "restore")
+        }
+    };
+    // A snapshot's template gives its size.
+    let manifest = cp.host.engine().template(&template)?;
+    let slot = cp.host.reserve(1).await?;
+    let new = NewSandbox {
+        id: new_id(),
+        template,
+        cpu: manifest.vcpus,
+        memory_mb: manifest.memory_mib,
+        metadata,
+        ttl_seconds: ttl,
+        persistent: body.persistent.unwrap_or(false),
+        max_lifetime_seconds: max_lifetime,
+        from_snapshot: body.from_snapshot.clone(),
+        parent_id: None,
+        tree_id: None,
+    };
+    let mut row = cp.store.admit_sandbox(&account, &new, &cp.limits(account.tier), now()).await?;
+    match cp.host.create(&slot, &row.id, &source).await {
+        Ok(info) => {
+            cp.came_up(&mut row, &info, mode).await?;
+            Ok((StatusCode::CREATED, Json(sandbox_json(&row))))
+        }
+        Err(e) => {
+            cp.mark_failed(&row.id).await;
+            let mut error = ApiError::from(e);
+            if error.status.is_server_error() {
+                // Never a retryable refusal once a row exists.
+                error.status = StatusCode::INTERNAL_SERVER_ERROR;
+                error.retry_after = None;
+            }
+            Err(error)
+        }
+    }
+}
+
+pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Value>> {
+    let rows = cp.store.list_sandboxes(account.id).await?;
+    let items: Vec<Value> = rows
+        .iter()
+        .filter(|r| r.status != status::CREATING)
+        .map(sandbox_json)
+        .collect();
+    Ok(Json(json!({ "items": items })))
+}
+
+pub async fn get(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    Ok(Json(sandbox_json(&cp.owned(&account, &id).await?)))
+}
+
+pub async fn delete(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    cp.owned(&account, &id).await?;
+    cp.destroy(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct ForkBody {
+    metadata: Option<Metadata>,
+    count: Option<i64>,
+}
+
+/// Forks `parent` into `count` children admitted one by one (each is a
+/// create for the quota); all or nothing.
+async fn fork_children(
+    cp: &ControlPlane,
+    account: &Account,
+    parent: &SandboxRow,
+    count: usize,
+    extra: Metadata,
+    tree_id: Option<String>,
+) -> ApiResult<Vec<SandboxRow>> {
+    check_metadata(&extra)?;
+    let slots = cp.host.reserve(count).await?;
+    let mut metadata = parent.metadata.clone();
+    metadata.extend(extra);
+    metadata.insert("fork_parent_id".into(), parent.id.clone());
+    if let Some(tree) = &tree_id {
+        metadata.insert("fork_tree_id".into(), tree.clone());
+    }
+    let mut rows = Vec::new();
+    for _ in 0..count {
+        let new = NewSandbox {
+            id: new_id(),
+            template: parent.template.clone(),
+            cpu: parent.cpu,
+            memory_mb: parent.memory_mb,
+            metadata: metadata.clone(),
+            ttl_seconds: parent.ttl_seconds,
+            persistent: false,
+            max_lifetime_seconds: parent.max_lifetime_seconds,
+            from_snapshot: None,
+            parent_id: Some(parent.id.clone()),
+            tree_id: tree_id.clone(),
+        };
+        match cp.store.admit_sandbox(account, &new, &cp.limits(account.tier), now()).await {
+            Ok(row) => rows.push(row),
+            Err(e) => {
+                for row in &rows {
+                    cp.mark_failed(&row.id).await;
+                }
+                return Err(e.into());
+            }
+        }
+    }
+    let ids = rows.iter().map(|r| r.id.clone()).collect();
+    match cp.host.fork(&slots, &parent.id, ids).await {
+        Ok(fork) => {
+            for (row, info) in rows.iter_mut().zip(&fork.children) {
+                cp.came_up(row, info, "fork").await?;
+            }
+            Ok(rows)
+        }
+        Err(e) => {
+            for row in &rows {
+                cp.mark_failed(&row.id).await;
+            }
+            let mut error = ApiError::from(e);
+            if error.status.is_server_error() {
+                error.status = StatusCode::INTERNAL_SERVER_ERROR;
+                error.retry_after = None;
+            }
+            Err(error)
+        }
+    }
+}
+
+pub async fn fork(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<impl IntoResponse> {
+    let parent = cp.running(&account, &id).await?;
+    let children = fork_children(&cp, &account, &parent, 1, body.metadata.unwrap_or_default(), None).await?;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&children[0]))))
+}
+
+pub async fn fork_tree(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<impl IntoResponse> {
+    let count = body.count.unwrap_or(2);
+    if !(1..=MAX_FORK_TREE as i64).contains(&count) {
+        return Err(ApiError::bad_request(format!("count must be between 1 and {MAX_FORK_TREE}")));
+    }
+    let parent = cp.running(&account, &id).await?;
+    let tree_id = format!("tree-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
+    let children = fork_children(
+        &cp,
+        &account,
+        &parent,
+        count as usize,
+        body.metadata.unwrap_or_default(),
+        Some(tree_id.clone()),
+    )
+    .await?;
+    let children: Vec<Value> = children.iter().map(sandbox_json).collect();
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "tree_id": tree_id, "parent_id": id, "children": children })),
+    ))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct PromoteBody {
+    cleanup_siblings: bool,
+    tree_id: Option<String>,
+}
+
+pub async fn promote(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<PromoteBody>) -> ApiResult<Json<Value>> {
+    let winner = cp.owned(&account, &id).await?;
+    let tree = body.tree_id.clone().or_else(|| winner.tree_id.clone());
+    let mut deleted = Vec::new();
+    let mut failures = serde_json::Map::new();
+    if body.cleanup_siblings {
+        let Some(tree) = tree.clone().filter(|t| winner.tree_id.as_deref() == Some(t.as_str())) else {
+            return Err(ApiError::bad_request("this sandbox is not a child of that fork tree"));
+        };
+        for sibling in cp.store.list_sandboxes(account.id).await? {
+            if sibling.id != winner.id && sibling.tree_id.as_deref() == Some(tree.as_str()) {
+                match cp.destroy(&sibling.id).await {
+                    Ok(()) => deleted.push(sibling.id),
+                    Err(e) => {
+                        failures.insert(sibling.id, Value::String(e.message));
+                    }
+                }
+            }
+        }
+    }
+    Ok(Json(json!({ "winner": id, "tree_id": tree, "deleted": deleted, "failures": failures })))
+}
+
+fn lifecycle_json(row: &SandboxRow, last_activity: f64) -> Value {
+    let now = now();
+    let idle = (now - last_activity).max(0.0);
+    let expires = (!row.persistent && row.ttl_seconds > 0).then(|| rfc3339(last_activity + row.ttl_seconds as f64));
+    json!({
+        "id": row.id,
+        "ttl_seconds": row.ttl_seconds,
+        "persistent": row.persistent,
+        "idle_seconds": idle.floor() as i64,
+        "status": row.status,
+        "expires_at": expires,
+        "max_lifetime_seconds": row.max_lifetime_seconds,
+    })
+}
+
+pub async fn lifecycle(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    let row = cp.owned(&account, &id).await?;
+    Ok(Json(lifecycle_json(&row, now())))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub struct LifecycleBody {
+    ttl_seconds: Option<i64>,
+    persistent: Option<bool>,
+    max_lifetime_seconds: Option<i64>,
+}
+
+pub async fn set_lifecycle(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<LifecycleBody>) -> ApiResult<Json<Value>> {
+    let ttl = seconds("ttl_seconds", body.ttl_seconds)?;
+    let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
+    cp.owned(&account, &id).await?;
+    let patch = SandboxPatch {
+        ttl_seconds: ttl,
+        persistent: body.persistent,
+        max_lifetime_seconds: max_lifetime,
+        ..SandboxPatch::default()
+    };
+    cp.store.update_sandbox(&id, patch).await?;
+    let row = cp.owned(&account, &id).await?;
+    Ok(Json(lifecycle_json(&row, now())))
+}
+
+async fn transition(cp: &ControlPlane, account: &Account, id: &str, action: &str) -> ApiResult<Json<Value>> {
+    let row = cp.owned(account, id).await?;
+    let engine = cp.host.engine();
+    let target = match (action, row.status.as_str()) {
+        ("pause", "paused") | ("resume", "running") | ("hibernate", "hibernated") | ("wake", "running") => None,
+        ("pause", "running") => Some(("paused", engine.pause(id).await.map_err(ApiError::from))),
+        ("resume", "paused") => Some(("running", engine.resume(id).await.map_err(ApiError::from))),
+        ("hibernate", "running") => Some(("hibernated", cp.host.hibernate(id).await.map_err(ApiError::from))),
+        ("wake", "hibernated") => Some(("running", cp.host.wake(id).await.map(|_| ()).map_err(ApiError::from))),
+        (_, state) => return Err(ApiError::conflict(format!("cannot {action} a sandbox that is {state}"))),
+    };
+    if let Some((new_status, outcome)) = target {
+        outcome?;
+        cp.set_status(id, new_status).await?;
+    }
+    Ok(Json(sandbox_json(&cp.owned(account, id).await?)))
+}
+
+pub async fn pause(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    transition(&cp, &a, &id, "pause").await
+}
+pub async fn resume(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    transition(&cp, &a, &id, "resume").await
+}
+pub async fn hibernate(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    transition(&cp, &a, &id, "hibernate").await
+}
+pub async fn wake(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+    transition(&cp, &a, &id, "wake").await
+}
+
+pub async fn snapshot(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<impl IntoResponse> {
+    let row = cp.running(&account, &id).await?;
+    let snapshot = cp.host.engine().snapshot(&id).await?;
+    let size = cp
+        .host
+        .engine()
+        .snapshots()
+        .into_iter()
+        .find(|m| m.id == snapshot)
+        .and_then(|m| std::fs::metadata(&m.memory_file).ok())
+        .map(|meta| std::os::unix::fs::MetadataExt::blocks(&meta) as i64 * 512);
+    let created = now();
+    cp.store
+        .insert_snapshot(&SnapshotRow {
+            id: snapshot.clone(),
+            account_id: account.id,
+            sandbox_id: Some(id.clone()),
+            template: row.template.clone(),
+            size_bytes: size,
+            host: Some(cp.config.host_name.clone()),
+            created_at: created,
+        })
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "id": snapshot,
+            "sandbox_id": id,
+            "template": row.template,
+            "size_bytes": size,
+            "created_at": rfc3339(created),
+        })),
+    ))
+}

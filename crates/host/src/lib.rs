@@ -1,0 +1,152 @@
+//! The host agent: what one host does for the control plane.
+//!
+//! Owns this host's [`Engine`] and what lives beside its VMs: the capacity
+//! gate (a host that is full or short of memory refuses *before* anything
+//! exists, so a refused create can be retried safely) and the repl sessions
+//! of its sandboxes.
+//!
+//! Does not touch: the database, accounts, quotas or HTTP. The control plane
+//! decides *whether* a sandbox may exist; the host decides whether it fits.
+
+mod capacity;
+mod repl;
+
+pub use capacity::{Capacity, Reservation};
+pub use shoal_engine::{Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage, VmState};
+pub use shoal_repl::{CellOutput, ReplError};
+
+use std::sync::Arc;
+
+/// How to run a host.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    pub engine: EngineConfig,
+    /// Sandboxes held in memory at once (running or paused); `None`: no
+    /// limit beyond memory.
+    pub max_sandboxes: Option<usize>,
+    /// Memory the host keeps for itself: a create is refused (507) when
+    /// less than this much would be left available.
+    pub memory_reserve_mib: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// Every slot is taken: retry later.
+    #[error("no compute capacity available")]
+    Full,
+    /// Too little memory is available on the host: retry later.
+    #[error("insufficient host memory for sandbox: {available_mib} MiB available, {reserve_mib} MiB reserved")]
+    MemoryShort { available_mib: u64, reserve_mib: u64 },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Repl(#[from] ReplError),
+    #[error("session not found")]
+    NoSuchSession,
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = HostError> = std::result::Result<T, E>;
+
+/// Where a new sandbox comes from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Template(String),
+    Snapshot(String),
+}
+
+pub struct HostAgent {
+    engine: Engine,
+    capacity: Capacity,
+    sessions: repl::Sessions,
+}
+
+impl HostAgent {
+    pub async fn open(config: HostConfig) -> Result<Arc<HostAgent>> {
+        let engine = Engine::open(config.engine.clone()).await?;
+        Ok(Arc::new(HostAgent {
+            engine,
+            capacity: Capacity::new(config.max_sandboxes, config.memory_reserve_mib),
+            sessions: repl::Sessions::default(),
+        }))
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Takes `count` slots for sandboxes about to be made (see [`Capacity`]).
+    pub async fn reserve(&self, count: usize) -> Result<Reservation> {
+        let held = self
+            .engine
+            .list()
+            .await
+            .into_iter()
+            .filter(|s| s.state != VmState::Hibernated)
+            .count();
+        self.capacity.reserve(held, count)
+    }
+
+    /// Makes a sandbox in a slot taken by [`HostAgent::reserve`].
+    pub async fn create(&self, _slot: &Reservation, id: &str, source: &Source) -> Result<SandboxInfo> {
+        let info = match source {
+            Source::Template(name) => self.engine.create(name, Some(id.to_string())).await?,
+            Source::Snapshot(snapshot) => {
+                self.engine
+                    .create_from_snapshot(snapshot, Some(id.to_string()))
+                    .await?
+            }
+        };
+        Ok(info)
+    }
+
+    /// Forks `parent` into children with the given ids, in slots taken by
+    /// [`HostAgent::reserve`].
+    pub async fn fork(&self, _slots: &Reservation, parent: &str, child_ids: Vec<String>) -> Result<Fork> {
+        Ok(self.engine.fork_into(parent, child_ids).await?)
+    }
+
+    /// Wakes a hibernated sandbox, which takes a slot again.
+    pub async fn wake(&self, id: &str) -> Result<SandboxInfo> {
+        let info = self.engine.get(id).await?;
+        if info.state != VmState::Hibernated {
+            return Ok(info);
+        }
+        let _slot = self.reserve(1).await?;
+        Ok(self.engine.wake(id).await?)
+    }
+
+    pub async fn kill(&self, id: &str) -> Result<()> {
+        self.sessions.close_all(id).await;
+        match self.engine.kill(id).await {
+            Ok(()) | Err(EngineError::NoSuchSandbox(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn hibernate(&self, id: &str) -> Result<()> {
+        // A kernel's process survives hibernation, but its channel does not.
+        self.sessions.close_all(id).await;
+        Ok(self.engine.hibernate(id).await?)
+    }
+
+    pub async fn start_session(&self, sandbox: &str) -> Result<String> {
+        let agent = self.engine.agent(sandbox).await?;
+        self.sessions.start(sandbox, &agent).await
+    }
+
+    pub async fn run_cell(
+        &self,
+        sandbox: &str,
+        session: &str,
+        code: &str,
+        timeout: Option<std::time::Duration>,
+    ) -> Result<CellOutput> {
+        self.sessions.run(sandbox, session, code, timeout).await
+    }
+
+    pub async fn close_session(&self, sandbox: &str, session: &str) -> Result<()> {
+        self.sessions.close(sandbox, session).await
+    }
+}
