@@ -68,7 +68,7 @@ def free_port() -> int:
 
 
 def sqlite_url(path: pathlib.Path) -> str:
-    return f"sqlite://{path}?mode=rwc"
+    return f"sqlite:{path}"
 
 
 class ShoalServer:

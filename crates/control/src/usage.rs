@@ -40,19 +40,20 @@ fn parse_query(raw: Option<String>) -> ApiResult<UsageQuery> {
             _ => {}
         }
     }
-    let to = query.to.unwrap_or_else(now);
-    let from = query.from.unwrap_or(to - DEFAULT_WINDOW_SECONDS);
-    if from > to {
-        return Err(ApiError::bad_request("from is after to"));
+    if let (Some(from), Some(to)) = (query.from, query.to) {
+        if from > to {
+            return Err(ApiError::bad_request("from is after to"));
+        }
     }
-    query.from = Some(from);
-    query.to = Some(to);
     Ok(query)
 }
 
-async fn report(cp: &ControlPlane, account: &Account, query: &UsageQuery) -> ApiResult<(Vec<Value>, Value)> {
-    // Bring the figures up to now before reading them.
+/// Rows and totals for `query`; an open `to` means now, after a fresh
+/// sample, and an open `from` the 30 days before it.
+async fn report(cp: &ControlPlane, account: &Account, query: &mut UsageQuery) -> ApiResult<(Vec<Value>, Value)> {
     cp.meter.sample_account(cp, account).await;
+    let to = *query.to.get_or_insert_with(now);
+    query.from.get_or_insert(to - DEFAULT_WINDOW_SECONDS);
     let report = cp.store.usage(account.id, query).await?;
     let mut items = Vec::new();
     let mut wall_total = 0.0;
@@ -90,8 +91,8 @@ async fn report(cp: &ControlPlane, account: &Account, query: &UsageQuery) -> Api
 }
 
 pub async fn account_usage(State(cp): St, Caller(account): Caller, RawQuery(q): RawQuery) -> ApiResult<Json<Value>> {
-    let query = parse_query(q)?;
-    let (items, totals) = report(&cp, &account, &query).await?;
+    let mut query = parse_query(q)?;
+    let (items, totals) = report(&cp, &account, &mut query).await?;
     Ok(Json(json!({
         "account": account.name,
         "from": rfc3339(query.from.unwrap_or(0.0)),
@@ -103,15 +104,28 @@ pub async fn account_usage(State(cp): St, Caller(account): Caller, RawQuery(q): 
 }
 
 pub async fn sandbox_usage(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    if cp.store.get_sandbox(account.id, &id).await?.is_none() {
+    let Some(sandbox) = cp.store.get_sandbox(account.id, &id).await? else {
         return Err(ApiError::sandbox_not_found());
-    }
-    let mut query = parse_query(None)?;
-    query.from = Some(0.0);
-    query.sandbox_id = Some(id.clone());
-    let (items, _) = report(&cp, &account, &query).await?;
+    };
+    let mut query = UsageQuery {
+        from: Some(0.0),
+        sandbox_id: Some(id.clone()),
+        ..UsageQuery::default()
+    };
+    let (items, _) = report(&cp, &account, &mut query).await?;
     let item = items.into_iter().next().unwrap_or_else(|| {
-        json!({ "sandbox_id": id, "cpu_seconds": 0.0, "gib_seconds": 0.0, "cost": 0.0 })
+        json!({
+            "sandbox_id": id,
+            "template": sandbox.template,
+            "metadata": sandbox.metadata,
+            "status": sandbox.status,
+            "created_at": rfc3339(sandbox.created_at),
+            "ended_at": sandbox.deleted_at.map(rfc3339),
+            "wall_seconds": 0.0,
+            "cpu_seconds": 0.0,
+            "gib_seconds": 0.0,
+            "cost": 0.0,
+        })
     });
     Ok(Json(item))
 }
