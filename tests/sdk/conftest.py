@@ -338,7 +338,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 MODULE_ORDER = [
     "test_service.py", "test_sandboxes.py", "test_exec.py", "test_files.py", "test_fork.py",
     "test_lifecycle.py", "test_repl.py", "test_tenancy.py", "test_usage.py", "test_errors.py",
-    "test_quota.py", "test_capacity.py",
+    "test_quota.py", "test_capacity.py", "test_reaper.py",
 ]
 
 
