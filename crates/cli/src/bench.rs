@@ -303,20 +303,9 @@ pub async fn api(args: ApiBenchArgs) -> Result<()> {
     progress.finish_and_clear();
 
     let deadline = Instant::now() + Duration::from_secs(args.get_seconds);
+    let url = reqwest::Url::parse(&format!("{base}/v1/sandboxes/{id}"))?;
     let workers: Vec<_> = (0..args.connections)
-        .map(|_| {
-            let (client, url, auth) = (client.clone(), format!("{base}/v1/sandboxes/{id}"), auth.clone());
-            tokio::spawn(async move {
-                let mut done = 0u64;
-                while Instant::now() < deadline {
-                    let response = client.get(&url).header("Authorization", &auth).send().await?;
-                    anyhow::ensure!(response.status() == 200, "get answered {}", response.status());
-                    let _ = response.bytes().await?;
-                    done += 1;
-                }
-                Ok::<u64, anyhow::Error>(done)
-            })
-        })
+        .map(|_| tokio::spawn(get_load(url.clone(), auth.clone(), deadline)))
         .collect();
     let started = Instant::now();
     let mut total = 0u64;
@@ -339,4 +328,35 @@ pub async fn api(args: ApiBenchArgs) -> Result<()> {
         .with_context(|| format!("writing {}", args.json.display()))?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+/// GETs `url` on one kept-alive HTTP/1.1 connection until `deadline`;
+/// returns how many answered 200. A bare hyper connection rather than a
+/// pooled client: the load generator shares the machine with the server,
+/// so its own work per request is kept small.
+async fn get_load(url: reqwest::Url, auth: String, deadline: Instant) -> Result<u64> {
+    use http_body_util::{BodyExt, Empty};
+    let address = format!(
+        "{}:{}",
+        url.host_str().unwrap_or("127.0.0.1"),
+        url.port_or_known_default().unwrap_or(80)
+    );
+    let stream = tokio::net::TcpStream::connect(&address).await?;
+    stream.set_nodelay(true)?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    let request = hyper::Request::get(url.path())
+        .header(hyper::header::HOST, address.as_str())
+        .header(hyper::header::AUTHORIZATION, auth.as_str())
+        .body(Empty::<hyper::body::Bytes>::new())?;
+    let mut done = 0u64;
+    while Instant::now() < deadline {
+        sender.ready().await?;
+        let response = sender.send_request(request.clone()).await?;
+        anyhow::ensure!(response.status() == 200, "get answered {}", response.status());
+        response.into_body().collect().await?;
+        done += 1;
+    }
+    Ok(done)
 }

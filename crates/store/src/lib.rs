@@ -117,8 +117,10 @@ pub(crate) use {on_reader, on_writer};
 /// Read connections of an SQLite store. On 2 cores 4 serve as many
 /// `authenticate` + `get_sandbox` pairs as 8 (about 11k pairs/s, release build).
 const SQLITE_READERS: u32 = 4;
-/// Connections of a PostgreSQL store.
-const PG_CONNECTIONS: u32 = 16;
+/// Connections of a PostgreSQL store. Measured with `scripts/bench-api` on
+/// 2 cores: 4 serve more `GET /v1/sandboxes/{id}` per second than 16, whose
+/// backends only compete for the same cores.
+const PG_CONNECTIONS: u32 = 4;
 /// How long an SQLite statement waits for another process's write lock.
 const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
