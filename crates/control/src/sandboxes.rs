@@ -128,6 +128,17 @@ impl ControlPlane {
     }
 }
 
+/// A failure once a sandbox row exists: never a refusal the SDK would retry
+/// (503 with Retry-After, 507), which must mean nothing was made.
+fn failed_after_admission(e: shoal_host::HostError) -> ApiError {
+    let mut error = ApiError::from(e);
+    if error.status.is_server_error() {
+        error.status = StatusCode::INTERNAL_SERVER_ERROR;
+        error.retry_after = None;
+    }
+    error
+}
+
 fn new_id() -> String {
     format!("sb-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
@@ -233,13 +244,7 @@ pub async fn create(State(cp): St, Caller(account): Caller, Body(body): Body<Cre
         }
         Err(e) => {
             cp.mark_failed(&row.id).await;
-            let mut error = ApiError::from(e);
-            if error.status.is_server_error() {
-                // Never a retryable refusal once a row exists.
-                error.status = StatusCode::INTERNAL_SERVER_ERROR;
-                error.retry_after = None;
-            }
-            Err(error)
+            Err(failed_after_admission(e))
         }
     }
 }
@@ -326,12 +331,7 @@ async fn fork_children(
             for row in &rows {
                 cp.mark_failed(&row.id).await;
             }
-            let mut error = ApiError::from(e);
-            if error.status.is_server_error() {
-                error.status = StatusCode::INTERNAL_SERVER_ERROR;
-                error.retry_after = None;
-            }
-            Err(error)
+            Err(failed_after_admission(e))
         }
     }
 }
