@@ -393,8 +393,9 @@ fn fork_and_exec(plan: &Plan) -> io::Result<i32> {
     // SAFETY: one past the end of the allocation; clone's stack grows down.
     let top = unsafe { stack.as_mut_ptr().add(CHILD_STACK) };
     let top = (top as usize & !15) as *mut libc::c_void;
-    // SAFETY: sigset operations on valid locals.
+    // SAFETY: sigset_t is plain data; all-zero is a valid (empty) set.
     let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
     let mut previous: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: as above; pthread_sigmask only reads `all` and writes `previous`.
     unsafe {
