@@ -10,7 +10,6 @@ use crate::extract::{Body, Caller};
 use crate::{now, rfc3339, ControlPlane};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::response::IntoResponse;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -139,6 +138,17 @@ fn failed_after_admission(e: shoal_host::HostError) -> ApiError {
     error
 }
 
+/// Runs `work` to its end even if the client goes away (axum drops a
+/// handler's future then): a create, fork or delete cut off half-way would
+/// leave a VM without a row or a row without a VM.
+async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = ApiResult<T>> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::spawn(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("the request's task failed: {e}")))?
+}
+
 fn new_id() -> String {
     format!("sb-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
@@ -195,7 +205,11 @@ fn valid_template_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
-pub async fn create(State(cp): St, Caller(account): Caller, Body(body): Body<CreateBody>) -> ApiResult<impl IntoResponse> {
+pub async fn create(State(cp): St, Caller(account): Caller, Body(body): Body<CreateBody>) -> ApiResult<(StatusCode, Json<Value>)> {
+    detached(create_detached(cp, account, body)).await
+}
+
+async fn create_detached(cp: Arc<ControlPlane>, account: Account, body: CreateBody) -> ApiResult<(StatusCode, Json<Value>)> {
     let ttl = seconds("ttl_seconds", body.ttl_seconds)?.unwrap_or(DEFAULT_TTL_SECONDS);
     let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
     let metadata = body.metadata.unwrap_or_default();
@@ -264,6 +278,10 @@ pub async fn get(State(cp): St, Caller(account): Caller, Path(id): Path<String>)
 }
 
 pub async fn delete(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    detached(delete_detached(cp, account, id)).await
+}
+
+async fn delete_detached(cp: Arc<ControlPlane>, account: Account, id: String) -> ApiResult<StatusCode> {
     cp.owned(&account, &id).await?;
     cp.destroy(&id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -336,13 +354,21 @@ async fn fork_children(
     }
 }
 
-pub async fn fork(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<impl IntoResponse> {
+pub async fn fork(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<(StatusCode, Json<Value>)> {
+    detached(fork_detached(cp, account, id, body)).await
+}
+
+async fn fork_detached(cp: Arc<ControlPlane>, account: Account, id: String, body: ForkBody) -> ApiResult<(StatusCode, Json<Value>)> {
     let parent = cp.running(&account, &id).await?;
     let children = fork_children(&cp, &account, &parent, 1, body.metadata.unwrap_or_default(), None).await?;
     Ok((StatusCode::CREATED, Json(sandbox_json(&children[0]))))
 }
 
-pub async fn fork_tree(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<impl IntoResponse> {
+pub async fn fork_tree(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<(StatusCode, Json<Value>)> {
+    detached(fork_tree_detached(cp, account, id, body)).await
+}
+
+async fn fork_tree_detached(cp: Arc<ControlPlane>, account: Account, id: String, body: ForkBody) -> ApiResult<(StatusCode, Json<Value>)> {
     let count = body.count.unwrap_or(2);
     if !(1..=MAX_FORK_TREE as i64).contains(&count) {
         return Err(ApiError::bad_request(format!("count must be between 1 and {MAX_FORK_TREE}")));
@@ -373,6 +399,10 @@ pub struct PromoteBody {
 }
 
 pub async fn promote(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<PromoteBody>) -> ApiResult<Json<Value>> {
+    detached(promote_detached(cp, account, id, body)).await
+}
+
+async fn promote_detached(cp: Arc<ControlPlane>, account: Account, id: String, body: PromoteBody) -> ApiResult<Json<Value>> {
     let winner = cp.owned(&account, &id).await?;
     let tree = body.tree_id.clone().or_else(|| winner.tree_id.clone());
     let mut deleted = Vec::new();
@@ -457,19 +487,23 @@ async fn transition(cp: &ControlPlane, account: &Account, id: &str, action: &str
 }
 
 pub async fn pause(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    transition(&cp, &a, &id, "pause").await
+    detached(async move { transition(&cp, &a, &id, "pause").await }).await
 }
 pub async fn resume(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    transition(&cp, &a, &id, "resume").await
+    detached(async move { transition(&cp, &a, &id, "resume").await }).await
 }
 pub async fn hibernate(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    transition(&cp, &a, &id, "hibernate").await
+    detached(async move { transition(&cp, &a, &id, "hibernate").await }).await
 }
 pub async fn wake(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
-    transition(&cp, &a, &id, "wake").await
+    detached(async move { transition(&cp, &a, &id, "wake").await }).await
 }
 
-pub async fn snapshot(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<impl IntoResponse> {
+pub async fn snapshot(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<(StatusCode, Json<Value>)> {
+    detached(snapshot_detached(cp, account, id)).await
+}
+
+async fn snapshot_detached(cp: Arc<ControlPlane>, account: Account, id: String) -> ApiResult<(StatusCode, Json<Value>)> {
     let row = cp.running(&account, &id).await?;
     let snapshot = cp.host.engine().snapshot(&id).await?;
     let size = cp
