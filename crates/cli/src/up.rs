@@ -116,6 +116,10 @@ pub async fn up(args: UpArgs) -> Result<()> {
     use std::io::Write;
     std::io::stdout().flush()?;
 
+    // Answers are small and written whole: no reason to let Nagle hold them.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, shoal_control::router(control))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
