@@ -131,6 +131,9 @@ pub struct Engine {
     vms: Mutex<HashMap<String, Arc<Vm>>>,
     /// Serialises capture-file garbage collection against new references.
     gc_lock: tokio::sync::Mutex<()>,
+    /// Fork points whose children are still being restored: no VM refers to
+    /// them yet, but they must not be collected.
+    pinned: Mutex<HashMap<String, usize>>,
     _lock: std::fs::File,
 }
 
@@ -161,6 +164,7 @@ impl Engine {
             qemu_version,
             vms: Mutex::new(HashMap::new()),
             gc_lock: tokio::sync::Mutex::new(()),
+            pinned: Mutex::new(HashMap::new()),
             _lock: lock,
         };
         let hibernated = reap::reap_leftovers(&engine.config.state_dir, &engine.config.proc_root)?;
@@ -456,11 +460,15 @@ impl Engine {
         }
         let vm = self.vm(id)?;
         let capture_started = std::time::Instant::now();
-        let point = {
+        let (point, pin) = {
             let _gc = self.gc_lock.lock().await;
             let mut inner = vm.inner.lock().await;
             running(&vm, &inner)?;
-            capture::capture(self, &vm, &mut inner, Kind::Fork, true).await?
+            let point = capture::capture(self, &vm, &mut inner, Kind::Fork, true).await?;
+            // Pinned before the collector can run again; the children refer
+            // to the point only once they are registered.
+            let pin = Pin::new(&self.pinned, &point.id);
+            (point, pin)
         };
         let capture_ms = capture_started.elapsed().as_secs_f64() * 1000.0;
         // A restore is CPU-bound (QEMU start-up, then translating the guest's
@@ -472,6 +480,7 @@ impl Engine {
             self.start_from(child, point.clone()).await
         }))
         .await;
+        drop(pin);
         let mut out = Vec::new();
         let mut first_error = None;
         for child in children {
@@ -633,6 +642,7 @@ impl Engine {
             let inner = vm.inner.lock().await;
             needed.extend(inner.source.captures_needed());
         }
+        needed.extend(self.pinned.lock().unwrap().keys().cloned());
         reap::collect_captures(&self.captures_dir(), &self.fork_memory_dir(), needed);
     }
 }
@@ -645,6 +655,34 @@ fn running<'a>(vm: &Vm, inner: &'a VmInner) -> Result<&'a vm::Live> {
             state: inner.state.as_str(),
             wanted: "running",
         }),
+    }
+}
+
+/// Keeps a capture from garbage collection while it lives.
+struct Pin<'a> {
+    pinned: &'a Mutex<HashMap<String, usize>>,
+    id: String,
+}
+
+impl<'a> Pin<'a> {
+    fn new(pinned: &'a Mutex<HashMap<String, usize>>, id: &str) -> Self {
+        *pinned.lock().unwrap().entry(id.to_string()).or_default() += 1;
+        Pin {
+            pinned,
+            id: id.to_string(),
+        }
+    }
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        let mut pinned = self.pinned.lock().unwrap();
+        if let Some(count) = pinned.get_mut(&self.id) {
+            *count -= 1;
+            if *count == 0 {
+                pinned.remove(&self.id);
+            }
+        }
     }
 }
 
