@@ -4,10 +4,11 @@
 //!
 //! It owns accounts and hashed API tokens, sandbox rows and their life-cycle
 //! fields, the atomic quota check at admission, the reaper's query, usage
-//! samples and their priced report, and snapshot records. It knows nothing of
-//! HTTP (no status codes: [`StoreError::Quota`] is for the caller to map), and
-//! it starts, stops or inspects no VM: a row says what the control plane
-//! believes, the engine and host agents make it so.
+//! samples and their priced report, snapshot records, and sweeps (cells that
+//! runners claim under leases, fenced by claim ids: `sweeps.rs`). It knows
+//! nothing of HTTP (no status codes: [`StoreError::Quota`] is for the caller
+//! to map), and it starts, stops or inspects no VM: a row says what the
+//! control plane believes, the engine and host agents make it so.
 //!
 //! Two backends, one set of statements. A [`Store`] holds native sqlx pools
 //! of either backend; each query is written once, with `$N` placeholders that
@@ -29,6 +30,7 @@ mod model;
 mod row;
 mod sandboxes;
 mod snapshots;
+mod sweeps;
 mod usage;
 
 use std::path::{Path, PathBuf};
@@ -42,6 +44,7 @@ use sqlx::sqlite::{
 
 pub use accounts::token_hash;
 pub use model::*;
+pub use sweeps::{measure_claims, ClaimRate};
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]

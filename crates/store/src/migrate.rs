@@ -20,17 +20,31 @@ use crate::Result;
 /// (version, description, SQL) of one migration.
 type Embedded = (i64, &'static str, &'static str);
 
-const SQLITE: &[Embedded] = &[(
-    1,
-    "init",
-    include_str!("../migrations/sqlite/0001_init.sql"),
-)];
+const SQLITE: &[Embedded] = &[
+    (
+        1,
+        "init",
+        include_str!("../migrations/sqlite/0001_init.sql"),
+    ),
+    (
+        2,
+        "sweeps",
+        include_str!("../migrations/sqlite/0002_sweeps.sql"),
+    ),
+];
 
-const POSTGRES: &[Embedded] = &[(
-    1,
-    "init",
-    include_str!("../migrations/postgres/0001_init.sql"),
-)];
+const POSTGRES: &[Embedded] = &[
+    (
+        1,
+        "init",
+        include_str!("../migrations/postgres/0001_init.sql"),
+    ),
+    (
+        2,
+        "sweeps",
+        include_str!("../migrations/postgres/0002_sweeps.sql"),
+    ),
+];
 
 #[derive(Debug)]
 struct Source(&'static [Embedded]);

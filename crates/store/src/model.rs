@@ -250,3 +250,353 @@ pub struct SnapshotRow {
     pub host: Option<String>,
     pub created_at: f64,
 }
+
+/// What a sweep is as a whole. Stored as its lowercase name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SweepState {
+    /// Its pending cells may be claimed.
+    Active,
+    /// Cancelled by its owner: nothing more is claimed; cells that were
+    /// running end as they end (see [`Store::finish_cell`](crate::Store::finish_cell)).
+    Cancelled,
+    /// Every cell reached a terminal state while the sweep was active.
+    Done,
+}
+
+impl SweepState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SweepState::Active => "active",
+            SweepState::Cancelled => "cancelled",
+            SweepState::Done => "done",
+        }
+    }
+}
+
+impl fmt::Display for SweepState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SweepState {
+    type Err = StoreError;
+
+    fn from_str(s: &str) -> Result<SweepState, StoreError> {
+        match s {
+            "active" => Ok(SweepState::Active),
+            "cancelled" => Ok(SweepState::Cancelled),
+            "done" => Ok(SweepState::Done),
+            other => Err(StoreError::Corrupt(format!("sweep state {other:?}"))),
+        }
+    }
+}
+
+/// Where one cell of a sweep is. Stored as its lowercase name.
+///
+/// `pending` → `running` (claimed) → `succeeded` | `failed` | `timeout` |
+/// `cancelled`, or back to `pending` (a retry, an expired lease, a released
+/// claim, a requeue of `failed`/`timeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CellState {
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+    Timeout,
+    Cancelled,
+}
+
+impl CellState {
+    /// Every state, in the order above.
+    pub const ALL: [CellState; 6] = [
+        CellState::Pending,
+        CellState::Running,
+        CellState::Succeeded,
+        CellState::Failed,
+        CellState::Timeout,
+        CellState::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CellState::Pending => "pending",
+            CellState::Running => "running",
+            CellState::Succeeded => "succeeded",
+            CellState::Failed => "failed",
+            CellState::Timeout => "timeout",
+            CellState::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the cell is finished for good (only a requeue reopens
+    /// `failed` and `timeout`).
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, CellState::Pending | CellState::Running)
+    }
+}
+
+impl fmt::Display for CellState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for CellState {
+    type Err = StoreError;
+
+    fn from_str(s: &str) -> Result<CellState, StoreError> {
+        CellState::ALL
+            .into_iter()
+            .find(|state| state.as_str() == s)
+            .ok_or_else(|| StoreError::Corrupt(format!("cell state {s:?}")))
+    }
+}
+
+/// A sweep as its owner asked for it, before it exists.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewSweep {
+    /// Made by the caller; unique across all accounts.
+    pub id: String,
+    pub account_id: i64,
+    pub name: String,
+    pub template: String,
+    /// The command each cell runs (the caller substitutes `{cell}`).
+    pub command: String,
+    /// Environment of every cell's command.
+    pub env: Metadata,
+    /// The cell values, in order: cell `idx` is `cells[idx]`.
+    pub cells: Vec<String>,
+    /// At most this many cells running at once (0 pauses the sweep).
+    pub throttle: u32,
+    pub timeout_seconds: u64,
+    /// Attempts a cell gets before a failure or timeout is final (at least 1
+    /// in effect: the first claim is always allowed).
+    pub max_attempts: u32,
+    /// Paths to collect from each cell's sandbox.
+    pub collect: Vec<String>,
+    /// How the cells' sandboxes are made from a set-up sandbox, if they are
+    /// (e.g. `{"setup": "pip install ..."}`); the store keeps it as given.
+    pub fork_from: Option<serde_json::Value>,
+}
+
+/// One sweep as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepRow {
+    pub id: String,
+    pub account_id: i64,
+    pub name: String,
+    pub template: String,
+    pub command: String,
+    pub env: Metadata,
+    pub cells: Vec<String>,
+    pub throttle: u32,
+    pub timeout_seconds: u64,
+    pub max_attempts: u32,
+    pub collect: Vec<String>,
+    pub fork_from: Option<serde_json::Value>,
+    pub state: SweepState,
+    pub created_at: f64,
+    /// When the last cell reached a terminal state (also for a cancelled
+    /// sweep); None while any cell is pending or running.
+    pub finished_at: Option<f64>,
+}
+
+/// One cell as stored. The outcome fields (`exit_code` to `error`) describe
+/// the last attempt that finished; the usage fields add up every attempt.
+/// `claim_id` and `lease_expires_at` are set exactly while the cell is
+/// `running`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CellRow {
+    pub sweep_id: String,
+    pub idx: u32,
+    pub value: String,
+    pub state: CellState,
+    /// Claims so far (reset by a requeue).
+    pub attempts: u32,
+    pub claim_id: Option<String>,
+    /// Raised by every claim, never reset: a fencing token that orders claims.
+    pub claim_epoch: u64,
+    pub lease_expires_at: Option<f64>,
+    /// The runner of the last claim.
+    pub claimed_by: Option<String>,
+    /// When the last claim was made.
+    pub started_at: Option<f64>,
+    /// When the cell reached its terminal state.
+    pub finished_at: Option<f64>,
+    pub exit_code: Option<i32>,
+    pub elapsed_ms: Option<u64>,
+    pub stdout_tail: Option<String>,
+    pub stderr_tail: Option<String>,
+    pub collected: Option<serde_json::Value>,
+    pub sandbox_id: Option<String>,
+    pub cpu_seconds: f64,
+    pub gib_seconds: f64,
+    pub cost_usd: f64,
+    pub error: Option<String>,
+}
+
+/// A cell a runner claimed: it must run it, renew the lease while it runs,
+/// and finish (or release) it with `claim_id`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Claim {
+    pub sweep_id: String,
+    pub idx: u32,
+    pub value: String,
+    /// Random and fresh for every claim; every later write about this
+    /// attempt must present it.
+    pub claim_id: String,
+    /// The cell's `claim_epoch` after this claim.
+    pub epoch: u64,
+    /// Which attempt this is, from 1.
+    pub attempt: u32,
+    pub lease_expires_at: f64,
+}
+
+/// How an attempt at a cell ended, as the runner saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CellEnd {
+    Succeeded,
+    Failed,
+    Timeout,
+    Cancelled,
+}
+
+impl CellEnd {
+    /// The state the cell takes if the attempt is final.
+    pub fn state(self) -> CellState {
+        match self {
+            CellEnd::Succeeded => CellState::Succeeded,
+            CellEnd::Failed => CellState::Failed,
+            CellEnd::Timeout => CellState::Timeout,
+            CellEnd::Cancelled => CellState::Cancelled,
+        }
+    }
+}
+
+/// What [`Store::finish_cell`](crate::Store::finish_cell) records of one attempt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CellOutcome {
+    pub end: CellEnd,
+    pub exit_code: Option<i32>,
+    pub elapsed_ms: Option<u64>,
+    pub stdout_tail: Option<String>,
+    pub stderr_tail: Option<String>,
+    /// What was collected of the sweep's `collect` paths, as the runner
+    /// describes it (the store keeps it as given).
+    pub collected: Option<serde_json::Value>,
+    pub sandbox_id: Option<String>,
+    /// Usage of this attempt; the store prices it with its rate card.
+    pub cpu_seconds: f64,
+    pub gib_seconds: f64,
+    pub error: Option<String>,
+    pub finished_at: f64,
+}
+
+impl CellOutcome {
+    /// An outcome with `end` at `finished_at` and nothing else recorded.
+    pub fn new(end: CellEnd, finished_at: f64) -> CellOutcome {
+        CellOutcome {
+            end,
+            exit_code: None,
+            elapsed_ms: None,
+            stdout_tail: None,
+            stderr_tail: None,
+            collected: None,
+            sandbox_id: None,
+            cpu_seconds: 0.0,
+            gib_seconds: 0.0,
+            error: None,
+            finished_at,
+        }
+    }
+}
+
+/// What [`Store::renew_lease`](crate::Store::renew_lease) found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Renewal {
+    /// The claim holds and its lease was extended.
+    Renewed,
+    /// The claim holds and its lease was extended, but the sweep was
+    /// cancelled: kill the sandbox, then finish the cell (it records
+    /// `cancelled` unless the attempt succeeded).
+    Cancelled,
+    /// The claim was lost (its lease expired and was swept, or the cell was
+    /// finished): stop, kill the sandbox, record nothing.
+    Lost,
+}
+
+impl Renewal {
+    /// Whether the claim still holds.
+    pub fn is_held(self) -> bool {
+        self != Renewal::Lost
+    }
+}
+
+/// Cells of one sweep per state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SweepCounts {
+    pub pending: u64,
+    pub running: u64,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub timeout: u64,
+    pub cancelled: u64,
+}
+
+impl SweepCounts {
+    pub fn get(&self, state: CellState) -> u64 {
+        match state {
+            CellState::Pending => self.pending,
+            CellState::Running => self.running,
+            CellState::Succeeded => self.succeeded,
+            CellState::Failed => self.failed,
+            CellState::Timeout => self.timeout,
+            CellState::Cancelled => self.cancelled,
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, state: CellState) -> &mut u64 {
+        match state {
+            CellState::Pending => &mut self.pending,
+            CellState::Running => &mut self.running,
+            CellState::Succeeded => &mut self.succeeded,
+            CellState::Failed => &mut self.failed,
+            CellState::Timeout => &mut self.timeout,
+            CellState::Cancelled => &mut self.cancelled,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        CellState::ALL.into_iter().map(|s| self.get(s)).sum()
+    }
+
+    /// Cells in a terminal state.
+    pub fn finished(&self) -> u64 {
+        self.succeeded + self.failed + self.timeout + self.cancelled
+    }
+
+    /// Finished cells as a fraction of all (1.0 for a sweep of no cells).
+    pub fn progress(&self) -> f64 {
+        match self.total() {
+            0 => 1.0,
+            total => self.finished() as f64 / total as f64,
+        }
+    }
+}
+
+/// Which cells [`Store::list_cells`](crate::Store::list_cells) returns, in
+/// index order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CellFilter {
+    /// Only cells in this state.
+    pub state: Option<CellState>,
+    /// Only cells after this index (a page cursor).
+    pub after: Option<u32>,
+    /// At most this many.
+    pub limit: Option<u32>,
+}
