@@ -228,8 +228,8 @@ async fn connect_postgres(url: &str) -> Result<Backend> {
     let pool = PgPoolOptions::new()
         .max_connections(PG_CONNECTIONS)
         .min_connections(1)
-        // The default pings the server on every acquire: a round trip and a
-        // backend wake-up per request, ~a third of the PostgreSQL CPU of a
+        // The default pings the server on every acquire: one more round trip
+        // and backend wake-up per request, on the path of every
         // `GET /v1/sandboxes/{id}`. A connection the server dropped fails
         // its next query instead, and sqlx discards it.
         .test_before_acquire(false)
