@@ -25,6 +25,7 @@
 //! query each and never wait for a writer.
 
 mod accounts;
+mod hosts;
 mod migrate;
 mod model;
 mod row;
@@ -43,6 +44,7 @@ use sqlx::sqlite::{
 };
 
 pub use accounts::token_hash;
+pub use hosts::PLACEMENT_TIMEOUT_SECONDS;
 pub use model::*;
 pub use sweeps::{measure_claims, ClaimRate};
 

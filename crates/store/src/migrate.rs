@@ -31,6 +31,11 @@ const SQLITE: &[Embedded] = &[
         "sweeps",
         include_str!("../migrations/sqlite/0002_sweeps.sql"),
     ),
+    (
+        4,
+        "hosts",
+        include_str!("../migrations/sqlite/0004_hosts.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -43,6 +48,11 @@ const POSTGRES: &[Embedded] = &[
         2,
         "sweeps",
         include_str!("../migrations/postgres/0002_sweeps.sql"),
+    ),
+    (
+        4,
+        "hosts",
+        include_str!("../migrations/postgres/0004_hosts.sql"),
     ),
 ];
 

@@ -600,3 +600,55 @@ pub struct CellFilter {
     /// At most this many.
     pub limit: Option<u32>,
 }
+
+/// What a host agent reports when it registers and at every heartbeat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostReport {
+    /// The host's name, unique in the fleet.
+    pub id: String,
+    /// Where the control plane reaches the agent.
+    pub url: String,
+    pub vcpus: u32,
+    /// Fraction of CPU time busy since the previous report, 0.0 to 1.0.
+    pub cpu_busy: f64,
+    pub memory_mib: u64,
+    /// `MemAvailable`: what new sandboxes may still take.
+    pub available_mib: u64,
+    /// Memory the host keeps for itself.
+    pub reserve_mib: u64,
+    /// Sandboxes held (running, paused).
+    pub sandboxes: u32,
+    pub max_sandboxes: Option<u32>,
+    /// Pss of all its VM processes.
+    pub pss_mib: u64,
+    /// A draining host takes no new sandboxes.
+    pub draining: bool,
+}
+
+/// A host as the control planes see it: its last report, when it came, and
+/// what was placed on it since.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostRow {
+    pub report: HostReport,
+    pub registered_at: f64,
+    pub heartbeat_at: f64,
+    /// Creates placed on the host that its last report does not show.
+    pub in_flight_sandboxes: u32,
+    pub in_flight_memory_mib: u64,
+    pub in_flight_cpu_share: f64,
+}
+
+impl HostRow {
+    /// Whether its last heartbeat is at most `stale_after` seconds old.
+    pub fn is_fresh(&self, now: f64, stale_after: f64) -> bool {
+        now - self.heartbeat_at <= stale_after
+    }
+}
+
+/// A create placed on a host, to be marked done or dropped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewPlacement {
+    pub host_id: String,
+    pub memory_mib: u64,
+    pub cpu_share: f64,
+}

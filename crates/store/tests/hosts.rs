@@ -1,0 +1,223 @@
+//! Hosts and placements against real databases (see `common`).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use common::Db;
+use shoal_store::{
+    HostReport, NewPlacement, NewSandbox, SandboxPatch, Tier, TierLimits, PLACEMENT_TIMEOUT_SECONDS,
+};
+
+const T0: f64 = 1_800_000_000.0;
+
+cases!(
+    reports_register_then_update,
+    placements_count_until_a_later_report,
+    dropped_and_abandoned_placements_stop_counting,
+    only_stale_hosts_lose_their_sandboxes,
+);
+
+fn report(id: &str) -> HostReport {
+    HostReport {
+        id: id.into(),
+        url: format!("http://{id}:7070"),
+        vcpus: 2,
+        cpu_busy: 0.25,
+        memory_mib: 24_000,
+        available_mib: 20_000,
+        reserve_mib: 1_024,
+        sandboxes: 3,
+        max_sandboxes: Some(100),
+        pss_mib: 300,
+        draining: false,
+    }
+}
+
+fn placement(host: &str, memory_mib: u64) -> NewPlacement {
+    NewPlacement {
+        host_id: host.into(),
+        memory_mib,
+        cpu_share: 0.5,
+    }
+}
+
+async fn reports_register_then_update(db: Arc<Db>) {
+    let store = &db.store;
+    assert!(store.hosts(T0).await.unwrap().is_empty());
+    store.report_host(&report("b"), T0).await.unwrap();
+    store.report_host(&report("a"), T0 + 1.0).await.unwrap();
+    let hosts = store.hosts(T0 + 1.0).await.unwrap();
+    assert_eq!(hosts.len(), 2);
+    assert_eq!(hosts[0].report, report("a"));
+    assert_eq!(hosts[1].report.id, "b");
+    assert_eq!((hosts[1].registered_at, hosts[1].heartbeat_at), (T0, T0));
+
+    let mut changed = report("b");
+    changed.available_mib = 10_000;
+    changed.sandboxes = 9;
+    changed.max_sandboxes = None;
+    changed.draining = true;
+    store.report_host(&changed, T0 + 10.0).await.unwrap();
+    let hosts = store.hosts(T0 + 10.0).await.unwrap();
+    assert_eq!(hosts[1].report, changed);
+    assert_eq!(
+        hosts[1].registered_at, T0,
+        "a heartbeat keeps the registration time"
+    );
+    assert_eq!(hosts[1].heartbeat_at, T0 + 10.0);
+    assert!(hosts[1].is_fresh(T0 + 40.0, 30.0));
+    assert!(!hosts[1].is_fresh(T0 + 40.1, 30.0));
+    assert_eq!(
+        hosts[0].report,
+        report("a"),
+        "another host's row is untouched"
+    );
+}
+
+async fn placements_count_until_a_later_report(db: Arc<Db>) {
+    let store = &db.store;
+    store.report_host(&report("a"), T0).await.unwrap();
+    store.report_host(&report("b"), T0).await.unwrap();
+    let first = store
+        .add_placement(&placement("a", 64), T0 + 1.0)
+        .await
+        .unwrap();
+    let _second = store
+        .add_placement(&placement("a", 100), T0 + 2.0)
+        .await
+        .unwrap();
+    let hosts = store.hosts(T0 + 2.0).await.unwrap();
+    assert_eq!(hosts[0].in_flight_sandboxes, 2);
+    assert_eq!(hosts[0].in_flight_memory_mib, 164);
+    assert!((hosts[0].in_flight_cpu_share - 1.0).abs() < 1e-9);
+    assert_eq!(hosts[1].in_flight_sandboxes, 0);
+    assert_eq!(hosts[1].in_flight_memory_mib, 0);
+
+    // Done, but the host has not reported since: still counted.
+    store.placement_done(&first, T0 + 3.0).await.unwrap();
+    assert_eq!(
+        store.hosts(T0 + 3.0).await.unwrap()[0].in_flight_sandboxes,
+        2
+    );
+    // A report from after it shows the sandbox itself; the create still in
+    // flight goes on counting.
+    store.report_host(&report("a"), T0 + 4.0).await.unwrap();
+    let hosts = store.hosts(T0 + 4.0).await.unwrap();
+    assert_eq!(hosts[0].in_flight_sandboxes, 1);
+    assert_eq!(hosts[0].in_flight_memory_mib, 100);
+}
+
+async fn dropped_and_abandoned_placements_stop_counting(db: Arc<Db>) {
+    let store = &db.store;
+    store.report_host(&report("a"), T0).await.unwrap();
+    let failed = store
+        .add_placement(&placement("a", 64), T0 + 1.0)
+        .await
+        .unwrap();
+    store.drop_placement(&failed).await.unwrap();
+    assert_eq!(
+        store.hosts(T0 + 1.0).await.unwrap()[0].in_flight_sandboxes,
+        0
+    );
+
+    // A create whose control plane died never reports back.
+    store
+        .add_placement(&placement("a", 64), T0 + 2.0)
+        .await
+        .unwrap();
+    let later = T0 + 2.0 + PLACEMENT_TIMEOUT_SECONDS;
+    assert_eq!(store.hosts(later).await.unwrap()[0].in_flight_sandboxes, 1);
+    assert_eq!(
+        store.hosts(later + 1.0).await.unwrap()[0].in_flight_sandboxes,
+        0
+    );
+    store.report_host(&report("a"), later + 1.0).await.unwrap();
+    assert_eq!(
+        store.hosts(T0).await.unwrap()[0].in_flight_sandboxes,
+        0,
+        "deleted by the report"
+    );
+}
+
+async fn only_stale_hosts_lose_their_sandboxes(db: Arc<Db>) {
+    let store = &db.store;
+    let token = store.create_token("fleet", Tier::Team).await.unwrap();
+    let account = store.authenticate(&token).await.unwrap().unwrap();
+    let limits = TierLimits {
+        concurrent: 100,
+        creates_per_hour: 100,
+    };
+    store.report_host(&report("gone"), T0).await.unwrap();
+    store.report_host(&report("alive"), T0).await.unwrap();
+    let mut ids = Vec::new();
+    for (i, host) in ["gone", "alive", "gone", "alive"].iter().enumerate() {
+        let id = format!("sb-{i}");
+        let new = NewSandbox {
+            id: id.clone(),
+            template: "base".into(),
+            cpu: 2,
+            memory_mb: 512,
+            metadata: BTreeMap::new(),
+            ttl_seconds: 300,
+            persistent: false,
+            max_lifetime_seconds: None,
+            from_snapshot: None,
+            parent_id: None,
+            tree_id: None,
+        };
+        store
+            .admit_sandbox(&account, &new, &limits, T0)
+            .await
+            .unwrap();
+        let patch = SandboxPatch {
+            status: Some("running".into()),
+            host: Some(host.to_string()),
+            ..SandboxPatch::default()
+        };
+        assert!(store.update_sandbox(&id, patch).await.unwrap());
+        ids.push(id);
+    }
+    let deleted = SandboxPatch {
+        status: Some("deleted".into()),
+        ..SandboxPatch::default()
+    };
+    store.update_sandbox("sb-2", deleted).await.unwrap();
+    let before = store.sandbox_by_id("sb-1").await.unwrap().unwrap();
+
+    store
+        .report_host(&report("alive"), T0 + 35.0)
+        .await
+        .unwrap();
+    let lost = store
+        .lose_sandboxes_of_stale_hosts(T0 + 35.0 - 30.0)
+        .await
+        .unwrap();
+    assert_eq!(lost, vec!["sb-0".to_string()]);
+    let status = |id: &str| {
+        let store = store.clone();
+        let id = id.to_string();
+        async move { store.sandbox_by_id(&id).await.unwrap().unwrap().status }
+    };
+    assert_eq!(status("sb-0").await, "lost");
+    assert_eq!(
+        status("sb-2").await,
+        "deleted",
+        "a deleted sandbox stays deleted"
+    );
+    assert_eq!(status("sb-3").await, "running");
+    assert_eq!(
+        store.sandbox_by_id("sb-1").await.unwrap().unwrap(),
+        before,
+        "no row of a live host changes"
+    );
+    assert!(
+        store
+            .lose_sandboxes_of_stale_hosts(T0 + 5.0)
+            .await
+            .unwrap()
+            .is_empty(),
+        "once"
+    );
+}
