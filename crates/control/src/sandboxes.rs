@@ -85,7 +85,7 @@ impl ControlPlane {
     }
 
     /// Marks a sandbox that came up as running, with how it came up.
-    async fn came_up(&self, row: &mut SandboxRow, info: &SandboxInfo, mode: &str) -> ApiResult<()> {
+    pub(crate) async fn came_up(&self, row: &mut SandboxRow, info: &SandboxInfo, mode: &str) -> ApiResult<()> {
         let patch = SandboxPatch {
             status: Some("running".into()),
             host: Some(self.config.host_name.clone()),
@@ -102,7 +102,7 @@ impl ControlPlane {
         Ok(())
     }
 
-    async fn mark_failed(&self, id: &str) {
+    pub(crate) async fn mark_failed(&self, id: &str) {
         let patch = SandboxPatch {
             status: Some(status::FAILED.into()),
             deleted_at: Some(now()),
@@ -149,7 +149,7 @@ async fn detached<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("the request's task failed: {e}")))?
 }
 
-fn new_id() -> String {
+pub(crate) fn new_id() -> String {
     format!("sb-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
@@ -199,7 +199,7 @@ fn check_metadata(metadata: &Metadata) -> ApiResult<()> {
     Ok(())
 }
 
-fn valid_template_name(name: &str) -> bool {
+pub(crate) fn valid_template_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 63
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')

@@ -31,6 +31,11 @@ const SQLITE: &[Embedded] = &[
         "sweeps",
         include_str!("../migrations/sqlite/0002_sweeps.sql"),
     ),
+    (
+        3,
+        "sweep runner",
+        include_str!("../migrations/sqlite/0003_sweep_runner.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -43,6 +48,11 @@ const POSTGRES: &[Embedded] = &[
         2,
         "sweeps",
         include_str!("../migrations/postgres/0002_sweeps.sql"),
+    ),
+    (
+        3,
+        "sweep runner",
+        include_str!("../migrations/postgres/0003_sweep_runner.sql"),
     ),
 ];
 
