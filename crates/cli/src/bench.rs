@@ -164,7 +164,10 @@ async fn run(engine: &Engine, args: &EngineBenchArgs) -> Result<serde_json::Valu
             pss_total += usage.pss_bytes;
         }
         let agent = engine.agent(id).await?;
-        if tokio::time::timeout(Duration::from_secs(10), agent.ping()).await.is_ok_and(|r| r.is_ok()) {
+        if tokio::time::timeout(Duration::from_secs(10), agent.ping())
+            .await
+            .is_ok_and(|r| r.is_ok())
+        {
             answered += 1;
         }
     }
@@ -259,7 +262,12 @@ pub async fn api(args: ApiBenchArgs) -> Result<()> {
             .json(&json!({ "template": args.template }))
             .send()
             .await?;
-        anyhow::ensure!(response.status() == 201, "create answered {}: {}", response.status(), response.text().await?);
+        anyhow::ensure!(
+            response.status() == 201,
+            "create answered {}: {}",
+            response.status(),
+            response.text().await?
+        );
         let body: serde_json::Value = response.json().await?;
         let id = body["id"].as_str().unwrap_or_default().to_string();
         Ok::<(String, f64), anyhow::Error>((id, body["boot_ms"].as_f64().unwrap_or(0.0)))
@@ -302,7 +310,11 @@ pub async fn api(args: ApiBenchArgs) -> Result<()> {
             .json(&json!({ "cmd": "true" }))
             .send()
             .await?;
-        anyhow::ensure!(response.status() == 200, "exec answered {}", response.status());
+        anyhow::ensure!(
+            response.status() == 200,
+            "exec answered {}",
+            response.status()
+        );
         let _ = response.bytes().await?;
         exec_rtt_ms.push(ms(start));
         progress.inc(1);
@@ -362,7 +374,11 @@ async fn get_load(url: reqwest::Url, auth: String, deadline: Instant) -> Result<
     while Instant::now() < deadline {
         sender.ready().await?;
         let response = sender.send_request(request.clone()).await?;
-        anyhow::ensure!(response.status() == 200, "get answered {}", response.status());
+        anyhow::ensure!(
+            response.status() == 200,
+            "get answered {}",
+            response.status()
+        );
         response.into_body().collect().await?;
         done += 1;
     }

@@ -242,11 +242,13 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             if status.timed_out {
                 eprintln!("timed out");
             }
-            Ok(std::process::ExitCode::from(match (status.code, status.signal) {
-                (Some(code), _) => code.clamp(0, 255) as u8,
-                (None, Some(signal)) => (128 + signal).clamp(0, 255) as u8,
-                _ => 1,
-            }))
+            Ok(std::process::ExitCode::from(
+                match (status.code, status.signal) {
+                    (Some(code), _) => code.clamp(0, 255) as u8,
+                    (None, Some(signal)) => (128 + signal).clamp(0, 255) as u8,
+                    _ => 1,
+                },
+            ))
         }
         Command::Hold {
             engine,

@@ -60,7 +60,10 @@ pub struct TokenArgs {
 }
 
 pub async fn token(args: TokenArgs) -> Result<()> {
-    let tier: Tier = args.tier.parse().context("--tier must be free, pro or team")?;
+    let tier: Tier = args
+        .tier
+        .parse()
+        .context("--tier must be free, pro or team")?;
     let store = Store::connect(&args.database.url(&args.state_dir)).await?;
     let token = store.create_token(&args.account, tier).await?;
     eprintln!("API token for account {} ({tier} tier):", args.account);
@@ -88,7 +91,10 @@ pub async fn up(args: UpArgs) -> Result<()> {
             .build_template(&spec.name, &agent, &progress)
             .await
             .with_context(|| format!("building template {}", spec.name))?;
-        eprintln!("template {}: ready ({} vCPUs, {} MiB, {})", spec.name, manifest.vcpus, manifest.memory_mib, manifest.accel);
+        eprintln!(
+            "template {}: ready ({} vCPUs, {} MiB, {})",
+            spec.name, manifest.vcpus, manifest.memory_mib, manifest.accel
+        );
     }
 
     let url = args.database.url(&args.engine.state_dir);
@@ -107,11 +113,18 @@ pub async fn up(args: UpArgs) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     let address = listener.local_addr()?;
-    println!("Shoal is up: http://{address} ({} database, {} accelerator)", store.backend(), host.engine().accel().as_str());
-    println!("  token:  shoal token create --account NAME --tier free|pro|team{}", match &args.database.database_url {
-        Some(url) => format!(" --database-url {url}"),
-        None => format!(" --state-dir {}", args.engine.state_dir.display()),
-    });
+    println!(
+        "Shoal is up: http://{address} ({} database, {} accelerator)",
+        store.backend(),
+        host.engine().accel().as_str()
+    );
+    println!(
+        "  token:  shoal token create --account NAME --tier free|pro|team{}",
+        match &args.database.database_url {
+            Some(url) => format!(" --database-url {url}"),
+            None => format!(" --state-dir {}", args.engine.state_dir.display()),
+        }
+    );
     println!("  client: PANDASTACK_API=http://{address} PANDASTACK_API_KEY=<token> python3 -c 'import pandastack'");
     use std::io::Write;
     std::io::stdout().flush()?;

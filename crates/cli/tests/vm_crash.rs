@@ -49,14 +49,20 @@ fn leftovers_of_a_sigkilled_host_are_reaped_at_start() {
         assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
     }
     let captures = state.join("captures");
-    assert!(!shoal_testkit::files_under(&captures).is_empty(), "the fork left a capture");
+    assert!(
+        !shoal_testkit::files_under(&captures).is_empty(),
+        "the fork left a capture"
+    );
 
     // SIGKILL the holder only (its own group; QEMU runs in groups of its own).
     // SAFETY: kill(2) on the child we spawned.
     unsafe { libc_kill(holder.id() as i32, 9) };
     let _ = holder.wait();
     for pid in &pids {
-        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU {pid} died with its host; nothing to reap");
+        assert!(
+            std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "QEMU {pid} died with its host; nothing to reap"
+        );
     }
 
     // A new start on the same state directory reaps everything.
@@ -68,7 +74,11 @@ fn leftovers_of_a_sigkilled_host_are_reaped_at_start() {
         .arg(&cache)
         .output()
         .unwrap();
-    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
     assert!(started.elapsed() < Duration::from_secs(30));
     for pid in &pids {
         let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -77,8 +87,14 @@ fn leftovers_of_a_sigkilled_host_are_reaped_at_start() {
         assert!(!alive, "QEMU {pid} was not reaped");
     }
     assert!(shoal_testkit::processes_mentioning(&state.display().to_string()).is_empty());
-    assert!(shoal_testkit::files_under(&state.join("vms")).is_empty(), "VM directories left");
-    assert!(shoal_testkit::files_under(&captures).is_empty(), "fork captures left");
+    assert!(
+        shoal_testkit::files_under(&state.join("vms")).is_empty(),
+        "VM directories left"
+    );
+    assert!(
+        shoal_testkit::files_under(&captures).is_empty(),
+        "fork captures left"
+    );
     let _ = std::fs::remove_dir_all(&state);
 }
 

@@ -46,7 +46,10 @@ impl ApiError {
     pub fn no_capacity() -> Self {
         ApiError {
             retry_after: Some(5),
-            ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "no compute capacity available")
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no compute capacity available",
+            )
         }
     }
 }
@@ -67,9 +70,10 @@ impl IntoResponse for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Quota { message } => {
-                Self::new(StatusCode::TOO_MANY_REQUESTS, format!("quota exceeded: the {message}"))
-            }
+            StoreError::Quota { message } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("quota exceeded: the {message}"),
+            ),
             other => {
                 tracing::error!(error = %other, "database");
                 Self::internal(format!("database error: {other}"))
@@ -82,9 +86,10 @@ impl From<HostError> for ApiError {
     fn from(e: HostError) -> Self {
         match e {
             HostError::Full => Self::no_capacity(),
-            HostError::MemoryShort { .. } => {
-                Self::new(StatusCode::INSUFFICIENT_STORAGE, "insufficient host memory for sandbox")
-            }
+            HostError::MemoryShort { .. } => Self::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient host memory for sandbox",
+            ),
             HostError::Engine(e) => e.into(),
             HostError::Repl(e) => e.into(),
             HostError::NoSuchSession => Self::not_found("session not found"),
@@ -96,7 +101,9 @@ impl From<HostError> for ApiError {
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
-            EngineError::UnknownTemplate(name) => Self::bad_request(format!("unknown template: {name}")),
+            EngineError::UnknownTemplate(name) => {
+                Self::bad_request(format!("unknown template: {name}"))
+            }
             EngineError::NoSuchSandbox(_) => Self::sandbox_not_found(),
             EngineError::NoSuchSnapshot(_) => Self::not_found("snapshot not found"),
             EngineError::WrongState { state, .. } => Self::conflict(format!("sandbox is {state}")),

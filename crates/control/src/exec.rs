@@ -34,7 +34,9 @@ impl ExecBody {
             .ok_or_else(|| ApiError::bad_request("cmd must be a non-empty string"))?;
         let timeout = match self.timeout_seconds {
             Some(t) if t < 0.0 || !t.is_finite() => {
-                return Err(ApiError::bad_request("timeout_seconds must be a positive number"))
+                return Err(ApiError::bad_request(
+                    "timeout_seconds must be a positive number",
+                ))
             }
             Some(t) if t > 0.0 => Some(t),
             _ => None,
@@ -77,7 +79,9 @@ impl Drop for Activity {
 }
 
 fn exit_code(status: &ExitStatus) -> i32 {
-    status.code.unwrap_or_else(|| 128 + status.signal.unwrap_or(0))
+    status
+        .code
+        .unwrap_or_else(|| 128 + status.signal.unwrap_or(0))
 }
 
 fn timeout_message(seconds: Option<f64>) -> String {
@@ -96,7 +100,10 @@ pub async fn exec(
     let _activity = Activity::start(&cp, &id).await?;
     let output = agent.exec_collect(request).await?;
     if output.status.timed_out {
-        return Err(ApiError::new(StatusCode::GATEWAY_TIMEOUT, timeout_message(timeout)));
+        return Err(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            timeout_message(timeout),
+        ));
     }
     Ok(Json(json!({
         "stdout": String::from_utf8_lossy(&output.stdout),
@@ -123,8 +130,12 @@ pub async fn exec_stream(
         let (mut stdout, mut stderr) = (Utf8Decoder::default(), Utf8Decoder::default());
         loop {
             let event = match handle.next_event().await {
-                Ok(ExecEvent::Stdout(bytes)) => sse("stdout", json!({ "chunk": stdout.push(&bytes) })),
-                Ok(ExecEvent::Stderr(bytes)) => sse("stderr", json!({ "chunk": stderr.push(&bytes) })),
+                Ok(ExecEvent::Stdout(bytes)) => {
+                    sse("stdout", json!({ "chunk": stdout.push(&bytes) }))
+                }
+                Ok(ExecEvent::Stderr(bytes)) => {
+                    sse("stderr", json!({ "chunk": stderr.push(&bytes) }))
+                }
                 Ok(ExecEvent::Exit(status)) => {
                     let last = if status.timed_out {
                         sse("error", json!({ "error": timeout_message(timeout) }))
@@ -135,7 +146,12 @@ pub async fn exec_stream(
                     return;
                 }
                 Err(e) => {
-                    let _ = tx.send(sse("error", json!({ "error": format!("guest agent: {e}") }))).await;
+                    let _ = tx
+                        .send(sse(
+                            "error",
+                            json!({ "error": format!("guest agent: {e}") }),
+                        ))
+                        .await;
                     return;
                 }
             };
@@ -147,10 +163,16 @@ pub async fn exec_stream(
         }
     });
     let events = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|e| (Ok::<_, std::convert::Infallible>(e), rx))
+        rx.recv()
+            .await
+            .map(|e| (Ok::<_, std::convert::Infallible>(e), rx))
     });
     let mut response = Sse::new(events)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)).text("keep-alive"))
+        .keep_alive(
+            KeepAlive::new()
+                .interval(Duration::from_secs(15))
+                .text("keep-alive"),
+        )
         .into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -22,7 +22,8 @@ impl FromRequestParts<Arc<ControlPlane>> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &Arc<ControlPlane>) -> ApiResult<Self> {
-        let unauthorized = || ApiError::new(StatusCode::UNAUTHORIZED, "missing or invalid API token");
+        let unauthorized =
+            || ApiError::new(StatusCode::UNAUTHORIZED, "missing or invalid API token");
         let token = parts
             .headers
             .get(header::AUTHORIZATION)
@@ -31,7 +32,11 @@ impl FromRequestParts<Arc<ControlPlane>> for Caller {
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or_else(unauthorized)?;
-        state.authenticate(token).await?.map(Caller).ok_or_else(unauthorized)
+        state
+            .authenticate(token)
+            .await?
+            .map(Caller)
+            .ok_or_else(unauthorized)
     }
 }
 
@@ -55,7 +60,11 @@ impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for Body<T> {
 
 /// The whole body, refused with 413 past `limit` bytes (by Content-Length
 /// before reading when the client sent one).
-pub async fn read_limited<S: Send + Sync>(req: Request, _state: &S, limit: usize) -> ApiResult<Bytes> {
+pub async fn read_limited<S: Send + Sync>(
+    req: Request,
+    _state: &S,
+    limit: usize,
+) -> ApiResult<Bytes> {
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,

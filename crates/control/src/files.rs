@@ -29,8 +29,12 @@ fn query_path(query: Option<String>) -> ApiResult<String> {
         .map_err(|e| ApiError::bad_request(format!("bad query string: {e}")))?;
     match parsed.path {
         Some(p) if p.starts_with('/') => Ok(p),
-        Some(p) => Err(ApiError::bad_request(format!("path must be absolute: {p:?}"))),
-        None => Err(ApiError::bad_request("the path query parameter is required")),
+        Some(p) => Err(ApiError::bad_request(format!(
+            "path must be absolute: {p:?}"
+        ))),
+        None => Err(ApiError::bad_request(
+            "the path query parameter is required",
+        )),
     }
 }
 
@@ -45,7 +49,12 @@ pub fn stat_json(stat: &FileStat) -> Value {
     })
 }
 
-pub async fn read(State(cp): St, Caller(account): Caller, Path(id): Path<String>, RawQuery(q): RawQuery) -> ApiResult<Response> {
+pub async fn read(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Response> {
     let path = query_path(q)?;
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
@@ -68,13 +77,21 @@ pub async fn read(State(cp): St, Caller(account): Caller, Path(id): Path<String>
         .into_response())
 }
 
-pub async fn write(State(cp): St, Caller(account): Caller, Path(id): Path<String>, RawQuery(q): RawQuery, request: Request) -> ApiResult<Json<Value>> {
+pub async fn write(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+    request: Request,
+) -> ApiResult<Json<Value>> {
     let path = query_path(q)?;
     cp.running(&account, &id).await?;
     let bytes = read_limited(request, &(), MAX_UPLOAD)
         .await
         .map_err(|e| match e.status {
-            StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(e.status, format!("upload exceeds {MAX_UPLOAD} bytes")),
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                ApiError::new(e.status, format!("upload exceeds {MAX_UPLOAD} bytes"))
+            }
             _ => e,
         })?;
     let agent = cp.host.engine().agent(&id).await?;
@@ -82,14 +99,29 @@ pub async fn write(State(cp): St, Caller(account): Caller, Path(id): Path<String
     Ok(Json(json!({ "path": path, "bytes": written })))
 }
 
-pub async fn remove(State(cp): St, Caller(account): Caller, Path(id): Path<String>, RawQuery(q): RawQuery) -> ApiResult<StatusCode> {
+pub async fn remove(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<StatusCode> {
     let path = query_path(q)?;
     cp.running(&account, &id).await?;
-    cp.host.engine().agent(&id).await?.remove(&path, true).await?;
+    cp.host
+        .engine()
+        .agent(&id)
+        .await?
+        .remove(&path, true)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub async fn list_dir(State(cp): St, Caller(account): Caller, Path(id): Path<String>, RawQuery(q): RawQuery) -> ApiResult<Json<Value>> {
+pub async fn list_dir(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<Value>> {
     let path = query_path(q.or_else(|| Some("path=/".into())))?;
     cp.running(&account, &id).await?;
     let entries = cp.host.engine().agent(&id).await?.list_dir(&path).await?;
@@ -97,7 +129,12 @@ pub async fn list_dir(State(cp): St, Caller(account): Caller, Path(id): Path<Str
     Ok(Json(json!({ "path": path, "entries": entries })))
 }
 
-pub async fn stat(State(cp): St, Caller(account): Caller, Path(id): Path<String>, RawQuery(q): RawQuery) -> ApiResult<Json<Value>> {
+pub async fn stat(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<Value>> {
     let path = query_path(q)?;
     cp.running(&account, &id).await?;
     let stat = cp.host.engine().agent(&id).await?.stat(&path).await?;

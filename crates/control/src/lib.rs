@@ -1,10 +1,12 @@
 //! The control plane: PandaStack's HTTP API over one host agent, with
-//! accounts, tokens, tier quotas, the idle reaper and metering.
+//! accounts, tokens, tier quotas, the idle reaper, metering, and the sweep
+//! runner.
 //!
-//! Owns: the routes (see `docs/api/CONTRACT.md`, served as
-//! `docs/api/openapi.json`), authentication and tenancy (a token sees only
-//! its own account's objects; anything else is a 404), quota admission
-//! through the store, and the background lifecycle and metering loops.
+//! Owns: the routes (see `docs/api/CONTRACT.md` and `docs/api/SWEEPS.md`,
+//! served as `docs/api/openapi.json`), authentication and tenancy (a token
+//! sees only its own account's objects; anything else is a 404), quota
+//! admission through the store, the background lifecycle and metering
+//! loops, and the runner that runs sweep cells (`runner.rs`).
 //!
 //! Does not touch: QEMU or the guest directly (only through
 //! [`shoal_host::HostAgent`]), or SQL (only through [`shoal_store::Store`]).
@@ -16,11 +18,14 @@ mod files;
 mod lifecycle;
 mod meta;
 mod repl;
+mod runner;
 mod sandboxes;
+mod sweeps;
 mod usage;
 
 pub use error::{ApiError, ApiResult};
 pub use lifecycle::LifecycleConfig;
+pub use runner::RunnerConfig;
 
 use axum::routing::{get, post};
 use axum::Router;
@@ -40,6 +45,7 @@ pub struct ControlConfig {
     pub host_name: String,
     pub limits: HashMap<Tier, TierLimits>,
     pub lifecycle: LifecycleConfig,
+    pub sweeps: RunnerConfig,
 }
 
 impl Default for ControlConfig {
@@ -51,6 +57,7 @@ impl Default for ControlConfig {
                 .map(|t| (t, TierLimits::default_for(t)))
                 .collect(),
             lifecycle: LifecycleConfig::default(),
+            sweeps: RunnerConfig::default(),
         }
     }
 }
@@ -64,6 +71,7 @@ pub struct ControlPlane {
     pub config: ControlConfig,
     tokens: Mutex<HashMap<String, (Account, Instant)>>,
     meter: lifecycle::Meter,
+    runner: runner::Runner,
 }
 
 impl ControlPlane {
@@ -74,6 +82,7 @@ impl ControlPlane {
             config,
             tokens: Mutex::default(),
             meter: lifecycle::Meter::default(),
+            runner: runner::Runner::default(),
         })
     }
 
@@ -105,16 +114,20 @@ impl ControlPlane {
     }
 
     /// Brings the database in line with the host after a restart, then
-    /// starts the reaper and the meter.
+    /// starts the reaper, the meter and the sweep runner.
     pub async fn start_background(self: &Arc<Self>) -> ApiResult<()> {
         lifecycle::reconcile(self).await?;
         lifecycle::spawn(self.clone());
+        if self.config.sweeps.enabled {
+            runner::spawn(self.clone()).await?;
+        }
         Ok(())
     }
 }
 
 pub fn router(state: Arc<ControlPlane>) -> Router {
     let sandbox = "/v1/sandboxes/{id}";
+    let sweep = "/v1/sweeps/{id}";
     Router::new()
         .route("/healthz", get(meta::healthz))
         .route("/v1/openapi.json", get(meta::openapi))
@@ -123,7 +136,10 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route("/v1/snapshots", get(meta::snapshots))
         .route("/v1/volumes", get(meta::volumes))
         .route("/v1/usage", get(usage::account_usage))
-        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
+        .route(
+            "/v1/sandboxes",
+            post(sandboxes::create).get(sandboxes::list),
+        )
         .route(sandbox, get(sandboxes::get).delete(sandboxes::delete))
         .route(&format!("{sandbox}/exec"), post(exec::exec))
         .route(&format!("{sandbox}/exec/stream"), post(exec::exec_stream))
@@ -153,10 +169,22 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
             &format!("{sandbox}/repl/sessions/{{session_id}}"),
             axum::routing::delete(repl::close),
         )
-        .route(&format!("{sandbox}/repl/sessions/{{session_id}}/run"), post(repl::run))
+        .route(
+            &format!("{sandbox}/repl/sessions/{{session_id}}/run"),
+            post(repl::run),
+        )
+        .route("/v1/sweeps", post(sweeps::create).get(sweeps::list))
+        .route(sweep, get(sweeps::get).patch(sweeps::patch))
+        .route(&format!("{sweep}/cancel"), post(sweeps::cancel))
+        .route(&format!("{sweep}/requeue"), post(sweeps::requeue))
+        .route(&format!("{sweep}/cells"), get(sweeps::cells_list))
+        .route(&format!("{sweep}/cells/{{index}}"), get(sweeps::cell))
         .fallback(|| async { ApiError::not_found("not found") })
         .method_not_allowed_fallback(|| async {
-            ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+            ApiError::new(
+                axum::http::StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed",
+            )
         })
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state)

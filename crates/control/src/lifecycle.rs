@@ -37,7 +37,11 @@ const GIB: f64 = (1u64 << 30) as f64;
 impl ControlPlane {
     /// Notes activity on a sandbox (written out by the flush loop).
     pub(crate) fn touch(&self, id: &str) {
-        self.meter.activity.lock().unwrap().insert(id.to_string(), now());
+        self.meter
+            .activity
+            .lock()
+            .unwrap()
+            .insert(id.to_string(), now());
     }
 
     async fn flush_activity(&self) {
@@ -100,7 +104,9 @@ impl Meter {
         );
         let (cpu, interval) = match previous {
             // A new process (after a wake) starts its CPU time at zero.
-            Some(p) if usage.cpu_seconds >= p.cpu_seconds => (usage.cpu_seconds - p.cpu_seconds, at - p.at),
+            Some(p) if usage.cpu_seconds >= p.cpu_seconds => {
+                (usage.cpu_seconds - p.cpu_seconds, at - p.at)
+            }
             Some(p) => (usage.cpu_seconds, at - p.at),
             None => {
                 let created = cp

@@ -55,14 +55,22 @@ pub async fn templates(State(cp): St, Caller(_): Caller) -> Json<Value> {
     Json(json!({ "items": items }))
 }
 
-pub async fn snapshots(State(cp): St, Caller(account): Caller, RawQuery(q): RawQuery) -> ApiResult<Json<Value>> {
+pub async fn snapshots(
+    State(cp): St,
+    Caller(account): Caller,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<Value>> {
     let filter: std::collections::HashMap<String, String> =
         serde_urlencoded::from_str(q.as_deref().unwrap_or("")).unwrap_or_default();
     let mut rows = cp.store.list_snapshots(account.id).await?;
     rows.sort_by(|a, b| b.created_at.total_cmp(&a.created_at));
     let items: Vec<Value> = rows
         .iter()
-        .filter(|r| filter.get("sandbox_id").is_none_or(|s| r.sandbox_id.as_ref() == Some(s)))
+        .filter(|r| {
+            filter
+                .get("sandbox_id")
+                .is_none_or(|s| r.sandbox_id.as_ref() == Some(s))
+        })
         .map(|r| {
             json!({
                 "id": r.id,
@@ -81,7 +89,11 @@ pub async fn volumes(Caller(_): Caller) -> Json<Value> {
 }
 
 /// The guest console so far (kernel and guest agent output).
-pub async fn logs(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<impl IntoResponse> {
+pub async fn logs(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<impl IntoResponse> {
     cp.owned(&account, &id).await?;
     let path = cp.host.engine().console_log(&id)?;
     let text = tokio::fs::read(&path).await.unwrap_or_default();
@@ -92,11 +104,17 @@ pub async fn logs(State(cp): St, Caller(account): Caller, Path(id): Path<String>
 }
 
 /// TCP ports listening in the guest, read from /proc/net/tcp{,6}.
-pub async fn ports(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn ports(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
     let out = agent
-        .exec_collect(ExecRequest::new("cat /proc/net/tcp /proc/net/tcp6 2>/dev/null"))
+        .exec_collect(ExecRequest::new(
+            "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null",
+        ))
         .await?;
     let ports: Vec<Value> = listening_ports(&String::from_utf8_lossy(&out.stdout))
         .into_iter()

@@ -20,16 +20,28 @@ pub struct CreateBody {
     language: Option<String>,
 }
 
-pub async fn create(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<CreateBody>) -> ApiResult<impl IntoResponse> {
-    let language = body.language.unwrap_or_else(|| "python".into()).to_lowercase();
+pub async fn create(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    Body(body): Body<CreateBody>,
+) -> ApiResult<impl IntoResponse> {
+    let language = body
+        .language
+        .unwrap_or_else(|| "python".into())
+        .to_lowercase();
     if !matches!(language.as_str(), "python" | "python3" | "py") {
-        return Err(ApiError::bad_request(format!("unsupported language: {language}")));
+        return Err(ApiError::bad_request(format!(
+            "unsupported language: {language}"
+        )));
     }
     cp.running(&account, &id).await?;
     let session = cp.host.start_session(&id).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({ "id": session, "sandbox_id": id, "language": "python", "created_at": rfc3339(now()) })),
+        Json(
+            json!({ "id": session, "sandbox_id": id, "language": "python", "created_at": rfc3339(now()) }),
+        ),
     ))
 }
 
@@ -46,26 +58,41 @@ pub async fn run(
     Path((id, session)): Path<(String, String)>,
     Body(body): Body<RunBody>,
 ) -> ApiResult<Json<Value>> {
-    let code = body.code.ok_or_else(|| ApiError::bad_request("code must be a string"))?;
+    let code = body
+        .code
+        .ok_or_else(|| ApiError::bad_request("code must be a string"))?;
     let timeout = match body.timeout_ms {
-        Some(ms) if ms < 0.0 || !ms.is_finite() => return Err(ApiError::bad_request("timeout_ms must be positive")),
+        Some(ms) if ms < 0.0 || !ms.is_finite() => {
+            return Err(ApiError::bad_request("timeout_ms must be positive"))
+        }
         Some(ms) if ms > 0.0 => Some(Duration::from_secs_f64(ms / 1000.0)),
         _ => None,
     };
     cp.running(&account, &id).await?;
-    let output = cp.host.run_cell(&id, &session, &code, timeout).await.map_err(|e| {
-        let mut error = ApiError::from(e);
-        if error.status == StatusCode::GATEWAY_TIMEOUT {
-            error.message = format!("cell timeout after {}s", timeout.map_or(0.0, |t| t.as_secs_f64()));
-        }
-        error
-    })?;
+    let output = cp
+        .host
+        .run_cell(&id, &session, &code, timeout)
+        .await
+        .map_err(|e| {
+            let mut error = ApiError::from(e);
+            if error.status == StatusCode::GATEWAY_TIMEOUT {
+                error.message = format!(
+                    "cell timeout after {}s",
+                    timeout.map_or(0.0, |t| t.as_secs_f64())
+                );
+            }
+            error
+        })?;
     let mut value = serde_json::to_value(&output).map_err(|e| ApiError::internal(e.to_string()))?;
     value["exit"] = value["exit_code"].clone();
     Ok(Json(value))
 }
 
-pub async fn close(State(cp): St, Caller(account): Caller, Path((id, session)): Path<(String, String)>) -> ApiResult<StatusCode> {
+pub async fn close(
+    State(cp): St,
+    Caller(account): Caller,
+    Path((id, session)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
     cp.owned(&account, &id).await?;
     cp.host.close_session(&id, &session).await?;
     Ok(StatusCode::NO_CONTENT)

@@ -85,7 +85,12 @@ impl ControlPlane {
     }
 
     /// Marks a sandbox that came up as running, with how it came up.
-    async fn came_up(&self, row: &mut SandboxRow, info: &SandboxInfo, mode: &str) -> ApiResult<()> {
+    pub(crate) async fn came_up(
+        &self,
+        row: &mut SandboxRow,
+        info: &SandboxInfo,
+        mode: &str,
+    ) -> ApiResult<()> {
         let patch = SandboxPatch {
             status: Some("running".into()),
             host: Some(self.config.host_name.clone()),
@@ -102,7 +107,7 @@ impl ControlPlane {
         Ok(())
     }
 
-    async fn mark_failed(&self, id: &str) {
+    pub(crate) async fn mark_failed(&self, id: &str) {
         let patch = SandboxPatch {
             status: Some(status::FAILED.into()),
             deleted_at: Some(now()),
@@ -149,7 +154,7 @@ async fn detached<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("the request's task failed: {e}")))?
 }
 
-fn new_id() -> String {
+pub(crate) fn new_id() -> String {
     format!("sb-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff)
 }
 
@@ -175,7 +180,9 @@ struct VolumeRef {
 
 fn seconds(field: &str, value: Option<i64>) -> ApiResult<Option<u64>> {
     match value {
-        Some(v) if v < 0 => Err(ApiError::bad_request(format!("{field} must not be negative"))),
+        Some(v) if v < 0 => Err(ApiError::bad_request(format!(
+            "{field} must not be negative"
+        ))),
         other => Ok(other.map(|v| v as u64)),
     }
 }
@@ -193,29 +200,44 @@ fn check_metadata(metadata: &Metadata) -> ApiResult<()> {
             ));
         }
         if key.starts_with("fork_") {
-            return Err(ApiError::bad_request(format!("metadata key {key} is reserved")));
+            return Err(ApiError::bad_request(format!(
+                "metadata key {key} is reserved"
+            )));
         }
     }
     Ok(())
 }
 
-fn valid_template_name(name: &str) -> bool {
+pub(crate) fn valid_template_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 63
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
-pub async fn create(State(cp): St, Caller(account): Caller, Body(body): Body<CreateBody>) -> ApiResult<(StatusCode, Json<Value>)> {
+pub async fn create(
+    State(cp): St,
+    Caller(account): Caller,
+    Body(body): Body<CreateBody>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     detached(create_detached(cp, account, body)).await
 }
 
-async fn create_detached(cp: Arc<ControlPlane>, account: Account, body: CreateBody) -> ApiResult<(StatusCode, Json<Value>)> {
+async fn create_detached(
+    cp: Arc<ControlPlane>,
+    account: Account,
+    body: CreateBody,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     let ttl = seconds("ttl_seconds", body.ttl_seconds)?.unwrap_or(DEFAULT_TTL_SECONDS);
     let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
     let metadata = body.metadata.unwrap_or_default();
     check_metadata(&metadata)?;
     if let Some(volume) = body.volumes.unwrap_or_default().first() {
-        return Err(ApiError::not_found(format!("volume not found: {}", volume.name)));
+        return Err(ApiError::not_found(format!(
+            "volume not found: {}",
+            volume.name
+        )));
     }
     let (source, template, mode) = match &body.from_snapshot {
         Some(snapshot) => {
@@ -250,7 +272,10 @@ async fn create_detached(cp: Arc<ControlPlane>, account: Account, body: CreateBo
         parent_id: None,
         tree_id: None,
     };
-    let mut row = cp.store.admit_sandbox(&account, &new, &cp.limits(account.tier), now()).await?;
+    let mut row = cp
+        .store
+        .admit_sandbox(&account, &new, &cp.limits(account.tier), now())
+        .await?;
     match cp.host.create(&slot, &row.id, &source).await {
         Ok(info) => {
             cp.came_up(&mut row, &info, mode).await?;
@@ -273,15 +298,27 @@ pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Valu
     Ok(Json(json!({ "items": items })))
 }
 
-pub async fn get(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn get(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     Ok(Json(sandbox_json(&cp.owned(&account, &id).await?)))
 }
 
-pub async fn delete(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<StatusCode> {
+pub async fn delete(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
     detached(delete_detached(cp, account, id)).await
 }
 
-async fn delete_detached(cp: Arc<ControlPlane>, account: Account, id: String) -> ApiResult<StatusCode> {
+async fn delete_detached(
+    cp: Arc<ControlPlane>,
+    account: Account,
+    id: String,
+) -> ApiResult<StatusCode> {
     cp.owned(&account, &id).await?;
     cp.destroy(&id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -327,7 +364,11 @@ async fn fork_children(
             parent_id: Some(parent.id.clone()),
             tree_id: tree_id.clone(),
         };
-        match cp.store.admit_sandbox(account, &new, &cp.limits(account.tier), now()).await {
+        match cp
+            .store
+            .admit_sandbox(account, &new, &cp.limits(account.tier), now())
+            .await
+        {
             Ok(row) => rows.push(row),
             Err(e) => {
                 for row in &rows {
@@ -354,24 +395,54 @@ async fn fork_children(
     }
 }
 
-pub async fn fork(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<(StatusCode, Json<Value>)> {
+pub async fn fork(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    Body(body): Body<ForkBody>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     detached(fork_detached(cp, account, id, body)).await
 }
 
-async fn fork_detached(cp: Arc<ControlPlane>, account: Account, id: String, body: ForkBody) -> ApiResult<(StatusCode, Json<Value>)> {
+async fn fork_detached(
+    cp: Arc<ControlPlane>,
+    account: Account,
+    id: String,
+    body: ForkBody,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     let parent = cp.running(&account, &id).await?;
-    let children = fork_children(&cp, &account, &parent, 1, body.metadata.unwrap_or_default(), None).await?;
+    let children = fork_children(
+        &cp,
+        &account,
+        &parent,
+        1,
+        body.metadata.unwrap_or_default(),
+        None,
+    )
+    .await?;
     Ok((StatusCode::CREATED, Json(sandbox_json(&children[0]))))
 }
 
-pub async fn fork_tree(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<ForkBody>) -> ApiResult<(StatusCode, Json<Value>)> {
+pub async fn fork_tree(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    Body(body): Body<ForkBody>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     detached(fork_tree_detached(cp, account, id, body)).await
 }
 
-async fn fork_tree_detached(cp: Arc<ControlPlane>, account: Account, id: String, body: ForkBody) -> ApiResult<(StatusCode, Json<Value>)> {
+async fn fork_tree_detached(
+    cp: Arc<ControlPlane>,
+    account: Account,
+    id: String,
+    body: ForkBody,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     let count = body.count.unwrap_or(2);
     if !(1..=MAX_FORK_TREE as i64).contains(&count) {
-        return Err(ApiError::bad_request(format!("count must be between 1 and {MAX_FORK_TREE}")));
+        return Err(ApiError::bad_request(format!(
+            "count must be between 1 and {MAX_FORK_TREE}"
+        )));
     }
     let parent = cp.running(&account, &id).await?;
     let tree_id = format!("tree-{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
@@ -398,18 +469,33 @@ pub struct PromoteBody {
     tree_id: Option<String>,
 }
 
-pub async fn promote(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<PromoteBody>) -> ApiResult<Json<Value>> {
+pub async fn promote(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    Body(body): Body<PromoteBody>,
+) -> ApiResult<Json<Value>> {
     detached(promote_detached(cp, account, id, body)).await
 }
 
-async fn promote_detached(cp: Arc<ControlPlane>, account: Account, id: String, body: PromoteBody) -> ApiResult<Json<Value>> {
+async fn promote_detached(
+    cp: Arc<ControlPlane>,
+    account: Account,
+    id: String,
+    body: PromoteBody,
+) -> ApiResult<Json<Value>> {
     let winner = cp.owned(&account, &id).await?;
     let tree = body.tree_id.clone().or_else(|| winner.tree_id.clone());
     let mut deleted = Vec::new();
     let mut failures = serde_json::Map::new();
     if body.cleanup_siblings {
-        let Some(tree) = tree.clone().filter(|t| winner.tree_id.as_deref() == Some(t.as_str())) else {
-            return Err(ApiError::bad_request("this sandbox is not a child of that fork tree"));
+        let Some(tree) = tree
+            .clone()
+            .filter(|t| winner.tree_id.as_deref() == Some(t.as_str()))
+        else {
+            return Err(ApiError::bad_request(
+                "this sandbox is not a child of that fork tree",
+            ));
         };
         for sibling in cp.store.list_sandboxes(account.id).await? {
             if sibling.id != winner.id && sibling.tree_id.as_deref() == Some(tree.as_str()) {
@@ -422,13 +508,16 @@ async fn promote_detached(cp: Arc<ControlPlane>, account: Account, id: String, b
             }
         }
     }
-    Ok(Json(json!({ "winner": id, "tree_id": tree, "deleted": deleted, "failures": failures })))
+    Ok(Json(
+        json!({ "winner": id, "tree_id": tree, "deleted": deleted, "failures": failures }),
+    ))
 }
 
 fn lifecycle_json(row: &SandboxRow, last_activity: f64) -> Value {
     let now = now();
     let idle = (now - last_activity).max(0.0);
-    let expires = (!row.persistent && row.ttl_seconds > 0).then(|| rfc3339(last_activity + row.ttl_seconds as f64));
+    let expires = (!row.persistent && row.ttl_seconds > 0)
+        .then(|| rfc3339(last_activity + row.ttl_seconds as f64));
     json!({
         "id": row.id,
         "ttl_seconds": row.ttl_seconds,
@@ -440,7 +529,11 @@ fn lifecycle_json(row: &SandboxRow, last_activity: f64) -> Value {
     })
 }
 
-pub async fn lifecycle(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn lifecycle(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let row = cp.owned(&account, &id).await?;
     Ok(Json(lifecycle_json(&row, now())))
 }
@@ -453,7 +546,12 @@ pub struct LifecycleBody {
     max_lifetime_seconds: Option<i64>,
 }
 
-pub async fn set_lifecycle(State(cp): St, Caller(account): Caller, Path(id): Path<String>, Body(body): Body<LifecycleBody>) -> ApiResult<Json<Value>> {
+pub async fn set_lifecycle(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    Body(body): Body<LifecycleBody>,
+) -> ApiResult<Json<Value>> {
     let ttl = seconds("ttl_seconds", body.ttl_seconds)?;
     let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
     cp.owned(&account, &id).await?;
@@ -468,16 +566,34 @@ pub async fn set_lifecycle(State(cp): St, Caller(account): Caller, Path(id): Pat
     Ok(Json(lifecycle_json(&row, now())))
 }
 
-async fn transition(cp: &ControlPlane, account: &Account, id: &str, action: &str) -> ApiResult<Json<Value>> {
+async fn transition(
+    cp: &ControlPlane,
+    account: &Account,
+    id: &str,
+    action: &str,
+) -> ApiResult<Json<Value>> {
     let row = cp.owned(account, id).await?;
     let engine = cp.host.engine();
     let target = match (action, row.status.as_str()) {
-        ("pause", "paused") | ("resume", "running") | ("hibernate", "hibernated") | ("wake", "running") => None,
+        ("pause", "paused")
+        | ("resume", "running")
+        | ("hibernate", "hibernated")
+        | ("wake", "running") => None,
         ("pause", "running") => Some(("paused", engine.pause(id).await.map_err(ApiError::from))),
         ("resume", "paused") => Some(("running", engine.resume(id).await.map_err(ApiError::from))),
-        ("hibernate", "running") => Some(("hibernated", cp.host.hibernate(id).await.map_err(ApiError::from))),
-        ("wake", "hibernated") => Some(("running", cp.host.wake(id).await.map(|_| ()).map_err(ApiError::from))),
-        (_, state) => return Err(ApiError::conflict(format!("cannot {action} a sandbox that is {state}"))),
+        ("hibernate", "running") => Some((
+            "hibernated",
+            cp.host.hibernate(id).await.map_err(ApiError::from),
+        )),
+        ("wake", "hibernated") => Some((
+            "running",
+            cp.host.wake(id).await.map(|_| ()).map_err(ApiError::from),
+        )),
+        (_, state) => {
+            return Err(ApiError::conflict(format!(
+                "cannot {action} a sandbox that is {state}"
+            )))
+        }
     };
     if let Some((new_status, outcome)) = target {
         outcome?;
@@ -486,24 +602,48 @@ async fn transition(cp: &ControlPlane, account: &Account, id: &str, action: &str
     Ok(Json(sandbox_json(&cp.owned(account, id).await?)))
 }
 
-pub async fn pause(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn pause(
+    State(cp): St,
+    Caller(a): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     detached(async move { transition(&cp, &a, &id, "pause").await }).await
 }
-pub async fn resume(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn resume(
+    State(cp): St,
+    Caller(a): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     detached(async move { transition(&cp, &a, &id, "resume").await }).await
 }
-pub async fn hibernate(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn hibernate(
+    State(cp): St,
+    Caller(a): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     detached(async move { transition(&cp, &a, &id, "hibernate").await }).await
 }
-pub async fn wake(State(cp): St, Caller(a): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn wake(
+    State(cp): St,
+    Caller(a): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     detached(async move { transition(&cp, &a, &id, "wake").await }).await
 }
 
-pub async fn snapshot(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<(StatusCode, Json<Value>)> {
+pub async fn snapshot(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     detached(snapshot_detached(cp, account, id)).await
 }
 
-async fn snapshot_detached(cp: Arc<ControlPlane>, account: Account, id: String) -> ApiResult<(StatusCode, Json<Value>)> {
+async fn snapshot_detached(
+    cp: Arc<ControlPlane>,
+    account: Account,
+    id: String,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     let row = cp.running(&account, &id).await?;
     let snapshot = cp.host.engine().snapshot(&id).await?;
     let size = cp

@@ -20,7 +20,9 @@ fn parse_time(name: &str, text: &str) -> ApiResult<f64> {
     }
     chrono::DateTime::parse_from_rfc3339(text)
         .map(|t| t.timestamp_millis() as f64 / 1000.0)
-        .map_err(|_| ApiError::bad_request(format!("{name} must be RFC 3339 or Unix seconds: {text:?}")))
+        .map_err(|_| {
+            ApiError::bad_request(format!("{name} must be RFC 3339 or Unix seconds: {text:?}"))
+        })
 }
 
 fn parse_query(raw: Option<String>) -> ApiResult<UsageQuery> {
@@ -32,9 +34,9 @@ fn parse_query(raw: Option<String>) -> ApiResult<UsageQuery> {
             "from" => query.from = Some(parse_time("from", &value)?),
             "to" => query.to = Some(parse_time("to", &value)?),
             "metadata" => {
-                let (k, v) = value
-                    .split_once('=')
-                    .ok_or_else(|| ApiError::bad_request(format!("metadata filter must be key=value: {value:?}")))?;
+                let (k, v) = value.split_once('=').ok_or_else(|| {
+                    ApiError::bad_request(format!("metadata filter must be key=value: {value:?}"))
+                })?;
                 query.metadata.push((k.to_string(), v.to_string()));
             }
             _ => {}
@@ -50,7 +52,11 @@ fn parse_query(raw: Option<String>) -> ApiResult<UsageQuery> {
 
 /// Rows and totals for `query`; an open `to` means now, after a fresh
 /// sample, and an open `from` the 30 days before it.
-async fn report(cp: &ControlPlane, account: &Account, query: &mut UsageQuery) -> ApiResult<(Vec<Value>, Value)> {
+async fn report(
+    cp: &ControlPlane,
+    account: &Account,
+    query: &mut UsageQuery,
+) -> ApiResult<(Vec<Value>, Value)> {
     cp.meter.sample_account(cp, account).await;
     let to = *query.to.get_or_insert_with(now);
     query.from.get_or_insert(to - DEFAULT_WINDOW_SECONDS);
@@ -90,7 +96,11 @@ async fn report(cp: &ControlPlane, account: &Account, query: &mut UsageQuery) ->
     Ok((items, totals))
 }
 
-pub async fn account_usage(State(cp): St, Caller(account): Caller, RawQuery(q): RawQuery) -> ApiResult<Json<Value>> {
+pub async fn account_usage(
+    State(cp): St,
+    Caller(account): Caller,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<Value>> {
     let mut query = parse_query(q)?;
     let (items, totals) = report(&cp, &account, &mut query).await?;
     Ok(Json(json!({
@@ -103,7 +113,11 @@ pub async fn account_usage(State(cp): St, Caller(account): Caller, RawQuery(q): 
     })))
 }
 
-pub async fn sandbox_usage(State(cp): St, Caller(account): Caller, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn sandbox_usage(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let Some(sandbox) = cp.store.get_sandbox(account.id, &id).await? else {
         return Err(ApiError::sandbox_not_found());
     };

@@ -13,7 +13,9 @@ async fn the_document_and_the_router_agree() {
     let doc: serde_json::Value = serde_json::from_str(shoal_control::OPENAPI).unwrap();
     let paths = doc["paths"].as_object().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let store = shoal_store::Store::connect(dir.path().join("shoal.db").to_str().unwrap()).await.unwrap();
+    let store = shoal_store::Store::connect(dir.path().join("shoal.db").to_str().unwrap())
+        .await
+        .unwrap();
     let host = shoal_host::HostAgent::open(shoal_host::HostConfig {
         engine: shoal_host::EngineConfig::new(dir.path().join("state")),
         max_sandboxes: None,
@@ -24,7 +26,10 @@ async fn the_document_and_the_router_agree() {
     let control = shoal_control::ControlPlane::new(store, host, Default::default());
     let router = shoal_control::router(control);
     for (path, ops) in paths {
-        let concrete = path.replace("{id}", "sb-000000000000").replace("{session_id}", "ctx-0");
+        let concrete = path
+            .replace("{id}", "sb-000000000000")
+            .replace("{session_id}", "ctx-0")
+            .replace("{index}", "0");
         for method in METHODS {
             let documented = ops.get(method.to_lowercase()).is_some();
             let request = Request::builder()
@@ -33,8 +38,12 @@ async fn the_document_and_the_router_agree() {
                 .body(Body::empty())
                 .unwrap();
             let status = router.clone().oneshot(request).await.unwrap().status();
-            let routed = status != StatusCode::METHOD_NOT_ALLOWED && status != StatusCode::NOT_FOUND;
-            assert_eq!(routed, documented, "{method} {path}: router answered {status}");
+            let routed =
+                status != StatusCode::METHOD_NOT_ALLOWED && status != StatusCode::NOT_FOUND;
+            assert_eq!(
+                routed, documented,
+                "{method} {path}: router answered {status}"
+            );
         }
     }
     let source = include_str!("../src/lib.rs");

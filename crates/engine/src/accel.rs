@@ -88,7 +88,9 @@ mod tests {
     fn flags_decide_virtualisation() {
         assert!(cpu_has_virtualisation("flags\t\t: fpu vme vmx sse\n"));
         assert!(cpu_has_virtualisation("flags\t\t: fpu svm\n"));
-        assert!(!cpu_has_virtualisation("flags\t\t: fpu vme sse hypervisor\n"));
+        assert!(!cpu_has_virtualisation(
+            "flags\t\t: fpu vme sse hypervisor\n"
+        ));
     }
 
     #[test]

@@ -42,7 +42,9 @@ impl Engine {
         std::fs::create_dir_all(&template_dir)
             .io_context(|| format!("creating {}", template_dir.display()))?;
         let _bake_lock = lock_file(&template_dir.join("bake.lock"), true)?;
-        let artifacts = self.build_image(&spec, guest_agent, progress.clone()).await?;
+        let artifacts = self
+            .build_image(&spec, guest_agent, progress.clone())
+            .await?;
 
         let cmdline = self.kernel_cmdline();
         let hash = bake_hash(&[
@@ -69,9 +71,12 @@ impl Engine {
         bar.set_message(format!("{name}: booting the template VM ({})", self.accel));
         let tmp_dir = template_dir.join(format!("{hash}.tmp"));
         let _ = std::fs::remove_dir_all(&tmp_dir);
-        std::fs::create_dir_all(&tmp_dir).io_context(|| format!("creating {}", tmp_dir.display()))?;
+        std::fs::create_dir_all(&tmp_dir)
+            .io_context(|| format!("creating {}", tmp_dir.display()))?;
         let result = self
-            .boot_and_save(name, &spec, &artifacts, &cmdline, &hash, &tmp_dir, &final_dir, &bar)
+            .boot_and_save(
+                name, &spec, &artifacts, &cmdline, &hash, &tmp_dir, &final_dir, &bar,
+            )
             .await;
         let manifest = match result {
             Ok(manifest) => manifest,
@@ -168,7 +173,8 @@ impl Engine {
         };
         let overlay = self.empty_overlay(&base)?;
         let disk_top = dir.join("disk.qcow2");
-        std::fs::copy(&overlay, &disk_top).io_context(|| format!("creating {}", disk_top.display()))?;
+        std::fs::copy(&overlay, &disk_top)
+            .io_context(|| format!("creating {}", disk_top.display()))?;
         let launch = LaunchSpec {
             qemu: self.config.qemu.clone(),
             accel: self.accel,
@@ -186,9 +192,18 @@ impl Engine {
             },
         };
         let booted = cold_boot(&launch).await?;
-        let ColdBoot { mut child, pid, qmp, agent, boot_ms } = booted;
+        let ColdBoot {
+            mut child,
+            pid,
+            qmp,
+            agent,
+            boot_ms,
+        } = booted;
         let outcome = async {
-            bar.set_message(format!("{name}: guest agent up after {:.1}s; warming", boot_ms / 1000.0));
+            bar.set_message(format!(
+                "{name}: guest agent up after {:.1}s; warming",
+                boot_ms / 1000.0
+            ));
             if let Some(command) = warmup_command(name) {
                 let output = agent
                     .exec_collect(ExecRequest {
@@ -285,7 +300,8 @@ impl Engine {
     pub async fn measure_cold_boot(&self, name: &str, guest_agent: &Path) -> Result<f64> {
         let spec = shoal_image::find_template(name)
             .ok_or_else(|| EngineError::UnknownTemplate(name.to_string()))?;
-        let hidden = indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
+        let hidden =
+            indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
         let artifacts = self.build_image(&spec, guest_agent, hidden).await?;
         // Under vms/, so a crash mid-measurement is reaped like any VM.
         let dir = self.vm_dir(&format!("coldboot-{}", &crate::new_sandbox_id()[3..]));

@@ -88,7 +88,8 @@ impl EngineConfig {
             return self.state_dir.join("captures");
         }
         use sha2::Digest;
-        let absolute = std::fs::canonicalize(&self.state_dir).unwrap_or_else(|_| self.state_dir.clone());
+        let absolute =
+            std::fs::canonicalize(&self.state_dir).unwrap_or_else(|_| self.state_dir.clone());
         let digest = sha2::Sha256::digest(absolute.as_os_str().as_encoded_bytes());
         shm.join(format!("shoal-{}", &hex::encode(digest)[..12]))
     }
@@ -256,7 +257,11 @@ impl Engine {
     }
 
     /// Creates a sandbox from a user snapshot.
-    pub async fn create_from_snapshot(&self, snapshot: &str, id: Option<String>) -> Result<SandboxInfo> {
+    pub async fn create_from_snapshot(
+        &self,
+        snapshot: &str,
+        id: Option<String>,
+    ) -> Result<SandboxInfo> {
         let source = self.snapshot_manifest(snapshot)?;
         let id = id.unwrap_or_else(new_sandbox_id);
         self.start_from(id, source).await
@@ -297,7 +302,9 @@ impl Engine {
         {
             let mut vms = self.vms.lock().unwrap();
             if vms.contains_key(&id) {
-                return Err(EngineError::InvalidInput(format!("sandbox {id} already exists")));
+                return Err(EngineError::InvalidInput(format!(
+                    "sandbox {id} already exists"
+                )));
             }
             vms.insert(id.clone(), vm.clone());
         }
@@ -476,7 +483,10 @@ impl Engine {
         // child late; in waves, the first children answer early.
         let slots = tokio::sync::Semaphore::new(restore_parallelism());
         let children = futures::future::join_all(child_ids.into_iter().map(|child| async {
-            let _slot = slots.acquire().await.expect("the semaphore is never closed");
+            let _slot = slots
+                .acquire()
+                .await
+                .expect("the semaphore is never closed");
             self.start_from(child, point.clone()).await
         }))
         .await;
@@ -630,7 +640,9 @@ impl Engine {
     /// CPU time and memory of a sandbox's QEMU process.
     pub fn usage(&self, id: &str) -> Result<Option<Usage>> {
         let vm = self.vm(id)?;
-        Ok(vm.pid().and_then(|pid| process_usage(&self.config.proc_root, pid)))
+        Ok(vm
+            .pid()
+            .and_then(|pid| process_usage(&self.config.proc_root, pid)))
     }
 
     /// Deletes fork and hibernate captures no VM or snapshot still needs.
@@ -694,7 +706,10 @@ fn restore_parallelism() -> usize {
 /// Sandbox ids: `sb-` and 12 hex digits.
 pub fn new_sandbox_id() -> String {
     use rand::Rng;
-    format!("sb-{:012x}", rand::thread_rng().gen::<u64>() & 0xffff_ffff_ffff)
+    format!(
+        "sb-{:012x}",
+        rand::thread_rng().gen::<u64>() & 0xffff_ffff_ffff
+    )
 }
 
 fn valid_id(id: &str) -> bool {
@@ -714,7 +729,11 @@ fn lock_file(path: &Path, wait: bool) -> Result<std::fs::File> {
         .write(true)
         .open(path)
         .io_context(|| format!("opening {}", path.display()))?;
-    let mode = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
+    let mode = if wait {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_EX | libc::LOCK_NB
+    };
     // SAFETY: flock on a descriptor we own.
     if unsafe { libc::flock(file.as_raw_fd(), mode) } != 0 {
         return Err(std::io::Error::last_os_error())

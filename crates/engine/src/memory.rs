@@ -176,7 +176,12 @@ pub fn changed_runs(proc_root: &Path, pid: u32, mappings: &[Mapping]) -> Result<
 
 /// Copies the changed runs from the process's memory into `dst` at their
 /// file offsets. Returns the bytes written.
-pub fn write_changed_pages(proc_root: &Path, pid: u32, runs: &[ChangedRun], dst: &Path) -> Result<u64> {
+pub fn write_changed_pages(
+    proc_root: &Path,
+    pid: u32,
+    runs: &[ChangedRun],
+    dst: &Path,
+) -> Result<u64> {
     let mem_path: PathBuf = proc_root.join(pid.to_string()).join("mem");
     let mem = File::open(&mem_path).io_context(|| format!("opening {}", mem_path.display()))?;
     let out = std::fs::OpenOptions::new()
@@ -262,7 +267,11 @@ mod tests {
         assert_eq!(copied[3 * PAGE as usize], 7);
         assert_eq!(copied[4 * PAGE as usize], 8);
         assert_eq!(copied[9 * PAGE as usize], 9);
-        assert_eq!(std::fs::read(&backing).unwrap(), content, "backing file untouched");
+        assert_eq!(
+            std::fs::read(&backing).unwrap(),
+            content,
+            "backing file untouched"
+        );
         // SAFETY: unmapping the mapping made above.
         unsafe { libc::munmap(ptr as *mut libc::c_void, content.len()) };
         // Holes survive the copy.

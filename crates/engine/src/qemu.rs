@@ -127,7 +127,10 @@ impl LaunchSpec {
         push("-sandbox");
         push("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny");
         push("-qmp");
-        push(&format!("unix:{},server=on,wait=off", qmp_socket(&self.dir).display()));
+        push(&format!(
+            "unix:{},server=on,wait=off",
+            qmp_socket(&self.dir).display()
+        ));
         // Devices, in a fixed order (see MACHINE_LAYOUT_VERSION).
         push("-device");
         push("virtio-serial-device");

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 pub(crate) fn reap_leftovers(state_dir: &Path, proc_root: &Path) -> Result<Vec<VmRecord>> {
     let vms_dir = state_dir.join("vms");
     let mut kept = Vec::new();
-    for entry in std::fs::read_dir(&vms_dir).io_context(|| format!("listing {}", vms_dir.display()))? {
+    for entry in
+        std::fs::read_dir(&vms_dir).io_context(|| format!("listing {}", vms_dir.display()))?
+    {
         let Ok(entry) = entry else { continue };
         let dir = entry.path();
         let record: Option<VmRecord> = std::fs::read(dir.join(VM_FILE))
@@ -80,7 +82,8 @@ fn kill_and_wait(proc_root: &Path, pid: u32) {
     while proc_root.join(pid.to_string()).exists() && Instant::now() < deadline {
         // The process is not our child, so its zombie is reaped by its parent
         // (init, after our previous run died); wait until it is gone.
-        let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).unwrap_or_default();
+        let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat"))
+            .unwrap_or_default();
         if stat.contains(") Z ") {
             break;
         }
@@ -91,7 +94,11 @@ fn kill_and_wait(proc_root: &Path, pid: u32) {
 /// Deletes every fork or hibernate capture not in `needed` (and not needed
 /// by a kept snapshot), with fork memory kept outside its capture's
 /// directory, and fork memory whose capture is gone.
-pub(crate) fn collect_captures(captures_dir: &Path, fork_memory_dir: &Path, mut needed: HashSet<String>) {
+pub(crate) fn collect_captures(
+    captures_dir: &Path,
+    fork_memory_dir: &Path,
+    mut needed: HashSet<String>,
+) {
     let Ok(entries) = std::fs::read_dir(captures_dir) else {
         return;
     };
@@ -120,10 +127,17 @@ pub(crate) fn collect_captures(captures_dir: &Path, fork_memory_dir: &Path, mut 
     if fork_memory_dir == captures_dir {
         return;
     }
-    for entry in std::fs::read_dir(fork_memory_dir).into_iter().flatten().flatten() {
+    for entry in std::fs::read_dir(fork_memory_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         let path = entry.path();
         let in_progress = captures_dir
-            .join(format!("{}.tmp", path.file_stem().unwrap_or_default().to_string_lossy()))
+            .join(format!(
+                "{}.tmp",
+                path.file_stem().unwrap_or_default().to_string_lossy()
+            ))
             .exists();
         if !kept_memory.contains(&path) && !in_progress {
             let _ = std::fs::remove_file(path);

@@ -139,7 +139,11 @@ pub(crate) async fn restore(
     let started = Instant::now();
     let mut child = spec.spawn(Some(devices.into()))?;
     let pid = child.id().unwrap_or(0);
-    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "qemu spawned");
+    tracing::debug!(
+        id,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "qemu spawned"
+    );
     match connect_restored(dir, id, &mut child).await {
         Ok((qmp, agent)) => Ok(Live {
             child,
@@ -173,14 +177,23 @@ async fn connect_restored(
         let id = id.to_string();
         tokio::spawn(async move {
             while let Ok(event) = events.recv().await {
-                tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, event = event.event, "qmp event");
+                tracing::debug!(
+                    id,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    event = event.event,
+                    "qmp event"
+                );
             }
         });
     }
     let stream = connect_unix(&qemu::agent_socket(dir), Duration::from_secs(5)).await?;
     qmp.migrate_incoming(&format!("fd:{}", qemu::INCOMING_FD))
         .await?;
-    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "migrate-incoming sent");
+    tracing::debug!(
+        id,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "migrate-incoming sent"
+    );
     let agent = tokio::select! {
         agent = tokio::time::timeout(RESTORE_DEADLINE, AgentClient::connect_with_deadline(stream, RESTORE_DEADLINE)) => match agent {
             Ok(agent) => agent?,
@@ -188,9 +201,17 @@ async fn connect_restored(
         },
         status = child.wait() => return Err(exited(status)),
     };
-    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "agent answered");
+    tracing::debug!(
+        id,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "agent answered"
+    );
     give_identity(&agent, id).await?;
-    tracing::debug!(id, ms = started.elapsed().as_secs_f64() * 1e3, "identity given");
+    tracing::debug!(
+        id,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "identity given"
+    );
     Ok((qmp, agent))
 }
 
@@ -212,7 +233,10 @@ fn getrandom(buffer: &mut [u8]) {
     rand::rngs::OsRng.fill_bytes(buffer);
 }
 
-pub(crate) async fn connect_unix(path: &Path, deadline: Duration) -> Result<tokio::net::UnixStream> {
+pub(crate) async fn connect_unix(
+    path: &Path,
+    deadline: Duration,
+) -> Result<tokio::net::UnixStream> {
     let start = Instant::now();
     loop {
         match tokio::net::UnixStream::connect(path).await {
@@ -243,7 +267,11 @@ pub(crate) fn with_qemu_log(error: EngineError, dir: &Path) -> EngineError {
     }
     let tail: Vec<&str> = tail.into_iter().rev().collect();
     EngineError::Qemu {
-        message: format!("{}; QEMU said: {}", crate::error::chain(&error), tail.join(" | ")),
+        message: format!(
+            "{}; QEMU said: {}",
+            crate::error::chain(&error),
+            tail.join(" | ")
+        ),
     }
 }
 

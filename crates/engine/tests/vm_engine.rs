@@ -27,7 +27,12 @@ async fn run(agent: &AgentClient, cmd: &str) -> ExecOutput {
 
 async fn stdout(agent: &AgentClient, cmd: &str) -> String {
     let out = run(agent, cmd).await;
-    assert_eq!(out.status.code, Some(0), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code,
+        Some(0),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
@@ -64,10 +69,21 @@ fn clones_of_one_template_get_their_own_identity() {
         let a = Sandbox::create().await;
         let b = Sandbox::create().await;
         let (agent_a, agent_b) = (a.agent().await, b.agent().await);
-        let random_a = stdout(&agent_a, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await;
-        let random_b = stdout(&agent_b, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await;
+        let random_a = stdout(
+            &agent_a,
+            "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
+        )
+        .await;
+        let random_b = stdout(
+            &agent_b,
+            "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'",
+        )
+        .await;
         assert_eq!(random_a.len(), 64);
-        assert_ne!(random_a, random_b, "two clones read the same /dev/urandom bytes");
+        assert_ne!(
+            random_a, random_b,
+            "two clones read the same /dev/urandom bytes"
+        );
         assert_eq!(stdout(&agent_a, "hostname").await, a.id);
         assert_eq!(stdout(&agent_b, "hostname").await, b.id);
         for agent in [&agent_a, &agent_b] {
@@ -76,7 +92,10 @@ fn clones_of_one_template_get_their_own_identity() {
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_secs_f64();
-            assert!((guest - host).abs() < 1.0, "guest clock {guest} vs host {host}");
+            assert!(
+                (guest - host).abs() < 1.0,
+                "guest clock {guest} vs host {host}"
+            );
         }
     });
 }
@@ -95,35 +114,66 @@ fn fork_children_inherit_memory_and_disk_and_diverge() {
         .await;
         let at_fork: u64 = stdout(&agent, "cat /tmp/count").await.parse().unwrap();
         let fork = engine().fork(&parent.id, 2).await.expect("fork");
-        let children: Vec<Sandbox> = fork.children.iter().map(|c| Sandbox { id: c.id.clone() }).collect();
+        let children: Vec<Sandbox> = fork
+            .children
+            .iter()
+            .map(|c| Sandbox { id: c.id.clone() })
+            .collect();
         assert_eq!(children.len(), 2);
         for child in &children {
             let child_agent = child.agent().await;
-            assert_eq!(stdout(&child_agent, "cat /root/marker").await, "before-fork");
+            assert_eq!(
+                stdout(&child_agent, "cat /root/marker").await,
+                "before-fork"
+            );
             assert_eq!(stdout(&child_agent, "hostname").await, child.id);
             // The counter goes on from where the parent was, in the child.
-            let first: u64 = stdout(&child_agent, "cat /tmp/count").await.parse().unwrap();
-            assert!(first >= at_fork, "child counter {first} restarted below {at_fork}");
+            let first: u64 = stdout(&child_agent, "cat /tmp/count")
+                .await
+                .parse()
+                .unwrap();
+            assert!(
+                first >= at_fork,
+                "child counter {first} restarted below {at_fork}"
+            );
             assert!(
                 wait_until(Duration::from_secs(10), || {
                     let child_agent = child_agent.clone();
                     async move {
-                        stdout(&child_agent, "cat /tmp/count").await.parse::<u64>().unwrap() > first
+                        stdout(&child_agent, "cat /tmp/count")
+                            .await
+                            .parse::<u64>()
+                            .unwrap()
+                            > first
                     }
                 })
                 .await,
                 "the inherited counter does not advance in the child"
             );
-            stdout(&child_agent, &format!("echo {} > /root/child-file", child.id)).await;
+            stdout(
+                &child_agent,
+                &format!("echo {} > /root/child-file", child.id),
+            )
+            .await;
         }
         // The parent goes on, and sees none of its children's writes.
-        let later: u64 = stdout(&agent, "sleep 0.5; cat /tmp/count").await.parse().unwrap();
+        let later: u64 = stdout(&agent, "sleep 0.5; cat /tmp/count")
+            .await
+            .parse()
+            .unwrap();
         assert!(later > at_fork);
         let out = run(&agent, "cat /root/child-file").await;
-        assert_ne!(out.status.code, Some(0), "a child's write leaked into the parent");
+        assert_ne!(
+            out.status.code,
+            Some(0),
+            "a child's write leaked into the parent"
+        );
         // Nor does a sibling.
         let sibling = children[0].agent().await;
-        assert_eq!(stdout(&sibling, "cat /root/child-file").await, children[0].id);
+        assert_eq!(
+            stdout(&sibling, "cat /root/child-file").await,
+            children[0].id
+        );
         let other = children[1].agent().await;
         assert_eq!(stdout(&other, "cat /root/child-file").await, children[1].id);
     });
@@ -163,7 +213,11 @@ fn exec_reports_codes_signals_timeouts_and_whole_output() {
         let runs = (0..6).map(|i| {
             let agent = agent.clone();
             async move {
-                let out = run(&agent, &format!("for n in $(seq 1 200); do echo task{i}-$n; echo err{i}-$n >&2; done")).await;
+                let out = run(
+                    &agent,
+                    &format!("for n in $(seq 1 200); do echo task{i}-$n; echo err{i}-$n >&2; done"),
+                )
+                .await;
                 (i, out)
             }
         });
@@ -184,11 +238,19 @@ fn files_move_in_and_out_and_bad_paths_are_clear_errors() {
         let sandbox = Sandbox::create().await;
         let agent = sandbox.agent().await;
         let data: Vec<u8> = (0..(8 << 20)).map(|i: u32| (i % 251) as u8).collect();
-        let written = agent.write_file("/root/data/blob.bin", None, &data[..]).await.unwrap();
+        let written = agent
+            .write_file("/root/data/blob.bin", None, &data[..])
+            .await
+            .unwrap();
         assert_eq!(written, data.len() as u64);
-        assert_eq!(agent.read_file_to_vec("/root/data/blob.bin").await.unwrap(), data);
         assert_eq!(
-            stdout(&agent, "sha256sum /root/data/blob.bin | cut -c1-64").await.len(),
+            agent.read_file_to_vec("/root/data/blob.bin").await.unwrap(),
+            data
+        );
+        assert_eq!(
+            stdout(&agent, "sha256sum /root/data/blob.bin | cut -c1-64")
+                .await
+                .len(),
             64
         );
         let listing = agent.list_dir("/root/data").await.unwrap();
@@ -197,12 +259,27 @@ fn files_move_in_and_out_and_bad_paths_are_clear_errors() {
         assert_eq!(listing[0].size, data.len() as u64);
 
         let missing = agent.stat("/does/not/exist").await.unwrap_err();
-        assert!(matches!(missing, shoal_proto::client::AgentError::Guest { kind: ErrorKind::NotFound, .. }), "{missing}");
+        assert!(
+            matches!(
+                missing,
+                shoal_proto::client::AgentError::Guest {
+                    kind: ErrorKind::NotFound,
+                    ..
+                }
+            ),
+            "{missing}"
+        );
         assert!(missing.to_string().contains("/does/not/exist"), "{missing}");
         let read_missing = agent.read_file_to_vec("/does/not/exist").await.unwrap_err();
         assert!(read_missing.to_string().contains("/does/not/exist"));
-        let read_only = agent.write_file("/proc/version", None, &b"x"[..]).await.unwrap_err();
-        assert!(matches!(read_only, shoal_proto::client::AgentError::Guest { .. }), "{read_only}");
+        let read_only = agent
+            .write_file("/proc/version", None, &b"x"[..])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(read_only, shoal_proto::client::AgentError::Guest { .. }),
+            "{read_only}"
+        );
         let bad_cwd = agent
             .exec_collect(ExecRequest {
                 cmd: "pwd".into(),
@@ -226,14 +303,20 @@ fn pause_resume_snapshot_hibernate_wake() {
         let agent = sandbox.agent().await;
         stdout(&agent, "echo kept > /root/state").await;
         engine().pause(&sandbox.id).await.unwrap();
-        assert_eq!(engine().get(&sandbox.id).await.unwrap().state, VmState::Paused);
+        assert_eq!(
+            engine().get(&sandbox.id).await.unwrap().state,
+            VmState::Paused
+        );
         assert!(engine().agent(&sandbox.id).await.is_err());
         engine().resume(&sandbox.id).await.unwrap();
         assert_eq!(stdout(&agent, "cat /root/state").await, "kept");
 
         let snapshot = engine().snapshot(&sandbox.id).await.unwrap();
         stdout(&agent, "echo changed > /root/state").await;
-        let restored = engine().create_from_snapshot(&snapshot, None).await.unwrap();
+        let restored = engine()
+            .create_from_snapshot(&snapshot, None)
+            .await
+            .unwrap();
         let restored = Sandbox { id: restored.id };
         let restored_agent = restored.agent().await;
         assert_eq!(stdout(&restored_agent, "cat /root/state").await, "kept");
@@ -241,13 +324,22 @@ fn pause_resume_snapshot_hibernate_wake() {
 
         let pid = engine().get(&sandbox.id).await.unwrap().pid.unwrap();
         engine().hibernate(&sandbox.id).await.unwrap();
-        assert_eq!(engine().get(&sandbox.id).await.unwrap().state, VmState::Hibernated);
-        assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU still runs after hibernate");
+        assert_eq!(
+            engine().get(&sandbox.id).await.unwrap().state,
+            VmState::Hibernated
+        );
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "QEMU still runs after hibernate"
+        );
         engine().wake(&sandbox.id).await.unwrap();
         let woken = sandbox.agent().await;
         assert_eq!(stdout(&woken, "cat /root/state").await, "changed");
         engine().delete_snapshot(&snapshot).await.unwrap();
-        assert!(engine().create_from_snapshot(&snapshot, None).await.is_err());
+        assert!(engine()
+            .create_from_snapshot(&snapshot, None)
+            .await
+            .is_err());
     });
 }
 
@@ -258,12 +350,24 @@ fn bad_input_is_a_clear_error_and_leaves_nothing() {
         let unknown = engine().create("no-such-template", None).await.unwrap_err();
         assert!(matches!(unknown, EngineError::UnknownTemplate(_)));
         assert_eq!(unknown.to_string(), "unknown template \"no-such-template\"");
-        let bad_id = engine().create(TEMPLATE, Some("../escape".into())).await.unwrap_err();
+        let bad_id = engine()
+            .create(TEMPLATE, Some("../escape".into()))
+            .await
+            .unwrap_err();
         assert!(matches!(bad_id, EngineError::InvalidInput(_)), "{bad_id}");
-        let no_snapshot = engine().create_from_snapshot("snap-nothing", None).await.unwrap_err();
+        let no_snapshot = engine()
+            .create_from_snapshot("snap-nothing", None)
+            .await
+            .unwrap_err();
         assert!(matches!(no_snapshot, EngineError::NoSuchSnapshot(_)));
-        assert!(matches!(engine().fork("sb-nothing", 2).await.unwrap_err(), EngineError::NoSuchSandbox(_)));
-        assert_eq!(shoal_testkit::files_under(&engine().state_dir().join("vms")), before);
+        assert!(matches!(
+            engine().fork("sb-nothing", 2).await.unwrap_err(),
+            EngineError::NoSuchSandbox(_)
+        ));
+        assert_eq!(
+            shoal_testkit::files_under(&engine().state_dir().join("vms")),
+            before
+        );
     });
 }
 
@@ -279,13 +383,20 @@ fn a_template_baked_by_another_qemu_is_refused() {
         let mut stale = real.clone();
         stale.qemu_version = "QEMU emulator version 6.0.0".into();
         stale.store(&bake).unwrap();
-        std::fs::write(cache.join("templates").join(TEMPLATE).join("current"), "old").unwrap();
+        std::fs::write(
+            cache.join("templates").join(TEMPLATE).join("current"),
+            "old",
+        )
+        .unwrap();
         let mut config = shoal_engine::EngineConfig::new(&state);
         config.cache_dir = cache.clone();
         let other = Engine::open(config).await.unwrap();
         let err = other.create(TEMPLATE, None).await.unwrap_err();
         assert!(matches!(err, EngineError::TemplateStale { .. }), "{err}");
-        assert!(err.to_string().contains("6.0.0") && err.to_string().contains("shoal template build"), "{err}");
+        assert!(
+            err.to_string().contains("6.0.0") && err.to_string().contains("shoal template build"),
+            "{err}"
+        );
         assert!(shoal_testkit::files_under(&state.join("vms")).is_empty());
         drop(other);
         std::fs::remove_dir_all(&cache).unwrap();
@@ -307,13 +418,22 @@ fn fifty_create_delete_cycles_leave_nothing() {
             assert!(!state_dir.join("vms").join(&info.id).exists());
         }
         for pid in pids {
-            assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "QEMU {pid} survived its delete");
+            assert!(
+                !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+                "QEMU {pid} survived its delete"
+            );
         }
         // Other tests of this binary may run sandboxes meanwhile; none of
         // these 50 may remain, nor any fork capture nobody uses.
         let live: Vec<String> = engine().list().await.into_iter().map(|s| s.id).collect();
         for entry in shoal_testkit::files_under(&state_dir.join("vms")) {
-            let top = entry.components().next().unwrap().as_os_str().to_string_lossy().to_string();
+            let top = entry
+                .components()
+                .next()
+                .unwrap()
+                .as_os_str()
+                .to_string_lossy()
+                .to_string();
             assert!(live.contains(&top), "leftover {entry:?}");
         }
     });

@@ -78,7 +78,10 @@ impl WarmShells {
             drop(pipe);
             return Some(Child {
                 pid: shell.pid,
-                outputs: vec![Output::new(shell.stdout, false), Output::new(shell.stderr, true)],
+                outputs: vec![
+                    Output::new(shell.stdout, false),
+                    Output::new(shell.stderr, true),
+                ],
                 stdin: None,
                 waker: shell.waker,
             });
@@ -161,7 +164,11 @@ fn start(agent: &Agent) -> std::io::Result<WarmShell> {
             args,
             env,
             cwd: None,
-            stdio: [exec::dev_null().map_err(fail("/dev/null"))?, out_write, err_write],
+            stdio: [
+                exec::dev_null().map_err(fail("/dev/null"))?,
+                out_write,
+                err_write,
+            ],
             controlling_tty: None,
             script: Some(script_read),
         },
@@ -201,8 +208,16 @@ mod tests {
             ..ExecSpec::default()
         };
         assert!(script_for(&plain).is_some());
-        assert!(script_for(&ExecSpec { stdin: true, ..plain.clone() }).is_none());
-        assert!(script_for(&ExecSpec { cmd: "x".repeat(MAX_SCRIPT + 1), ..plain.clone() }).is_none());
+        assert!(script_for(&ExecSpec {
+            stdin: true,
+            ..plain.clone()
+        })
+        .is_none());
+        assert!(script_for(&ExecSpec {
+            cmd: "x".repeat(MAX_SCRIPT + 1),
+            ..plain.clone()
+        })
+        .is_none());
         let mut odd_env = plain.clone();
         odd_env.env.insert("NOT-A-NAME".into(), "1".into());
         assert!(script_for(&odd_env).is_none());

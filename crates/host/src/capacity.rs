@@ -82,6 +82,9 @@ mod tests {
     #[test]
     fn a_host_short_of_memory_refuses() {
         let capacity = Capacity::new(None, u64::MAX);
-        assert!(matches!(capacity.reserve(0, 1), Err(HostError::MemoryShort { .. })));
+        assert!(matches!(
+            capacity.reserve(0, 1),
+            Err(HostError::MemoryShort { .. })
+        ));
     }
 }

@@ -36,7 +36,10 @@ pub enum HostError {
     Full,
     /// Too little memory is available on the host: retry later.
     #[error("insufficient host memory for sandbox: {available_mib} MiB available, {reserve_mib} MiB reserved")]
-    MemoryShort { available_mib: u64, reserve_mib: u64 },
+    MemoryShort {
+        available_mib: u64,
+        reserve_mib: u64,
+    },
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
@@ -89,7 +92,12 @@ impl HostAgent {
     }
 
     /// Makes a sandbox in a slot taken by [`HostAgent::reserve`].
-    pub async fn create(&self, _slot: &Reservation, id: &str, source: &Source) -> Result<SandboxInfo> {
+    pub async fn create(
+        &self,
+        _slot: &Reservation,
+        id: &str,
+        source: &Source,
+    ) -> Result<SandboxInfo> {
         let info = match source {
             Source::Template(name) => self.engine.create(name, Some(id.to_string())).await?,
             Source::Snapshot(snapshot) => {
@@ -103,7 +111,12 @@ impl HostAgent {
 
     /// Forks `parent` into children with the given ids, in slots taken by
     /// [`HostAgent::reserve`].
-    pub async fn fork(&self, _slots: &Reservation, parent: &str, child_ids: Vec<String>) -> Result<Fork> {
+    pub async fn fork(
+        &self,
+        _slots: &Reservation,
+        parent: &str,
+        child_ids: Vec<String>,
+    ) -> Result<Fork> {
         Ok(self.engine.fork_into(parent, child_ids).await?)
     }
 

@@ -23,7 +23,13 @@ struct Entry {
 
 impl Sessions {
     pub async fn start(&self, sandbox: &str, agent: &AgentClient) -> Result<String> {
-        let open = self.by_id.lock().unwrap().values().filter(|e| e.sandbox == sandbox).count();
+        let open = self
+            .by_id
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|e| e.sandbox == sandbox)
+            .count();
         if open >= MAX_SESSIONS {
             return Err(HostError::Invalid(format!(
                 "a sandbox holds at most {MAX_SESSIONS} repl sessions"
@@ -41,7 +47,11 @@ impl Sessions {
         Ok(id)
     }
 
-    fn find(&self, sandbox: &str, id: &str) -> Result<Arc<tokio::sync::Mutex<Option<ReplSession>>>> {
+    fn find(
+        &self,
+        sandbox: &str,
+        id: &str,
+    ) -> Result<Arc<tokio::sync::Mutex<Option<ReplSession>>>> {
         match self.by_id.lock().unwrap().get(id) {
             Some(entry) if entry.sandbox == sandbox => Ok(entry.session.clone()),
             _ => Err(HostError::NoSuchSession),

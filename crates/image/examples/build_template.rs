@@ -24,10 +24,19 @@ fn main() {
     match shoal_image::build(&spec, &opts) {
         Ok(a) => {
             for s in &a.steps {
-                println!("{:<14} {:>8.1} s  cached={}  {}", s.step, s.duration.as_secs_f64(), s.cached, s.detail);
+                println!(
+                    "{:<14} {:>8.1} s  cached={}  {}",
+                    s.step,
+                    s.duration.as_secs_f64(),
+                    s.cached,
+                    s.detail
+                );
             }
             println!("total {:.2} s", started.elapsed().as_secs_f64());
-            println!("{}", serde_json::to_string_pretty(&a).expect("serialisable"));
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&a).expect("serialisable")
+            );
         }
         Err(e) => {
             eprintln!("error: {e}");

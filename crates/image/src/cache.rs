@@ -120,7 +120,11 @@ pub struct LayerRecord<T> {
 /// Reads the record of a finished layer, or `None` if the directory is not
 /// a finished layer with exactly this key (missing, unreadable, or built
 /// from other inputs: all mean "build it").
-pub fn read_record<T: DeserializeOwned>(dir: &Path, layer: &str, key: &str) -> Option<LayerRecord<T>> {
+pub fn read_record<T: DeserializeOwned>(
+    dir: &Path,
+    layer: &str,
+    key: &str,
+) -> Option<LayerRecord<T>> {
     let text = fs::read_to_string(dir.join(RECORD_FILE)).ok()?;
     let rec: LayerRecord<T> = serde_json::from_str(&text).ok()?;
     (rec.layer == layer && rec.key == key).then_some(rec)
@@ -183,7 +187,10 @@ pub fn build_layer<T: Serialize>(
 /// dir at a time (see [`StateLock`]), so any such directory found while
 /// holding the lock is debris of an interrupted build.
 fn tmp_sibling(dir: &Path) -> PathBuf {
-    let name = dir.file_name().expect("layer dir has a name").to_string_lossy();
+    let name = dir
+        .file_name()
+        .expect("layer dir has a name")
+        .to_string_lossy();
     dir.with_file_name(format!(".{name}.partial"))
 }
 
@@ -191,7 +198,9 @@ fn tmp_sibling(dir: &Path) -> PathBuf {
 /// level below `images_dir`. Only call while holding the [`StateLock`].
 pub fn sweep_partials(images_dir: &Path) -> Result<Vec<PathBuf>, ImageError> {
     let mut removed = Vec::new();
-    let Ok(layers) = fs::read_dir(images_dir) else { return Ok(removed) };
+    let Ok(layers) = fs::read_dir(images_dir) else {
+        return Ok(removed);
+    };
     for layer in layers.flatten().filter(|e| e.path().is_dir()) {
         for entry in fs::read_dir(layer.path()).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -234,8 +243,9 @@ impl StateLock {
             .ctx(|| format!("opening {}", path.display()))?;
         // flock (not fcntl) locks: released when the file is closed, even
         // if the process is killed, so a crashed build never wedges the cache.
-        let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
-            .map_err(|(_, errno)| ImageError::io(format!("locking {}", path.display()), errno.into()))?;
+        let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).map_err(
+            |(_, errno)| ImageError::io(format!("locking {}", path.display()), errno.into()),
+        )?;
         Ok(StateLock { _lock: lock })
     }
 }
@@ -310,10 +320,19 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let p = root.path().join("f");
         fs::write(&p, b"one").unwrap();
-        assert_eq!(sha256_file_cached(root.path(), &p).unwrap(), sha256_bytes(b"one"));
-        assert_eq!(sha256_file_cached(root.path(), &p).unwrap(), sha256_bytes(b"one"));
+        assert_eq!(
+            sha256_file_cached(root.path(), &p).unwrap(),
+            sha256_bytes(b"one")
+        );
+        assert_eq!(
+            sha256_file_cached(root.path(), &p).unwrap(),
+            sha256_bytes(b"one")
+        );
         fs::write(&p, b"two").unwrap();
-        assert_eq!(sha256_file_cached(root.path(), &p).unwrap(), sha256_bytes(b"two"));
+        assert_eq!(
+            sha256_file_cached(root.path(), &p).unwrap(),
+            sha256_bytes(b"two")
+        );
     }
 
     #[test]

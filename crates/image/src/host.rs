@@ -25,13 +25,28 @@ pub(crate) struct Tool {
 }
 
 pub(crate) const APT_TOOLS: &[Tool] = &[
-    Tool { path_or_name: "apt-get", package: "apt" },
-    Tool { path_or_name: "apt-cache", package: "apt" },
-    Tool { path_or_name: "dpkg-deb", package: "dpkg" },
+    Tool {
+        path_or_name: "apt-get",
+        package: "apt",
+    },
+    Tool {
+        path_or_name: "apt-cache",
+        package: "apt",
+    },
+    Tool {
+        path_or_name: "dpkg-deb",
+        package: "dpkg",
+    },
 ];
 pub(crate) const ROOTFS_TOOLS: &[Tool] = &[
-    Tool { path_or_name: "debootstrap", package: "debootstrap" },
-    Tool { path_or_name: "mkfs.ext4", package: "e2fsprogs" },
+    Tool {
+        path_or_name: "debootstrap",
+        package: "debootstrap",
+    },
+    Tool {
+        path_or_name: "mkfs.ext4",
+        package: "e2fsprogs",
+    },
 ];
 
 fn on_path(name: &str) -> bool {
@@ -48,7 +63,9 @@ fn on_path(name: &str) -> bool {
 }
 
 fn busybox_is_usable() -> bool {
-    std::fs::read(BUSYBOX).map(|b| is_static_elf(&b)).unwrap_or(false)
+    std::fs::read(BUSYBOX)
+        .map(|b| is_static_elf(&b))
+        .unwrap_or(false)
 }
 
 /// Makes sure every tool in `tools` exists (and, if `need_busybox`, that
@@ -92,7 +109,8 @@ pub(crate) fn ensure_tools(tools: &[Tool], need_busybox: bool) -> Result<(), Ima
 /// An apt command set up for unattended, parseable use.
 pub(crate) fn apt_command(program: &str) -> Command {
     let mut c = Command::new(program);
-    c.env("DEBIAN_FRONTEND", "noninteractive").env("LC_ALL", "C");
+    c.env("DEBIAN_FRONTEND", "noninteractive")
+        .env("LC_ALL", "C");
     c
 }
 
@@ -158,7 +176,9 @@ pub(crate) fn mirror_from_deb822(text: &str, suite: &str) -> Option<String> {
                     return None;
                 }
                 let (k, v) = l.split_once(':')?;
-                k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+                k.trim()
+                    .eq_ignore_ascii_case(name)
+                    .then(|| v.trim().to_string())
             })
         };
         let enabled = !matches!(field("Enabled"), Some(v) if v.eq_ignore_ascii_case("no"));
@@ -181,7 +201,10 @@ mod tests {
     #[test]
     fn deb822_picks_the_stanza_with_the_suite() {
         let t = "Types: deb\n# http://snapshot.debian.org/x\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\nComponents: main\n\nTypes: deb\nURIs: http://deb.debian.org/debian-security\nSuites: bookworm-security\n";
-        assert_eq!(mirror_from_deb822(t, "bookworm").unwrap(), "http://deb.debian.org/debian");
+        assert_eq!(
+            mirror_from_deb822(t, "bookworm").unwrap(),
+            "http://deb.debian.org/debian"
+        );
         assert_eq!(
             mirror_from_deb822(t, "bookworm-security").unwrap(),
             "http://deb.debian.org/debian-security"
@@ -194,7 +217,10 @@ mod tests {
     #[test]
     fn one_line_format_with_and_without_options() {
         let t = "# deb http://old bookworm main\ndeb-src http://src bookworm main\ndeb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian/ bookworm main\n";
-        assert_eq!(mirror_from_one_line(t, "bookworm").unwrap(), "http://mirror.example/debian");
+        assert_eq!(
+            mirror_from_one_line(t, "bookworm").unwrap(),
+            "http://mirror.example/debian"
+        );
         assert!(mirror_from_one_line("deb http://a/debian bullseye main", "bookworm").is_none());
     }
 

@@ -79,10 +79,23 @@ pub fn build_initramfs(
     let key = initramfs_key(kernel, &busybox_sha);
     let dir = images_dir.join(LAYER).join(&key[..16]);
     let path = dir.join(INITRAMFS_FILE);
-    let detail = |i: &InitramfsInfo| format!("{} KiB, sha256 {}", i.size_bytes / 1024, &i.content_sha256[..12]);
+    let detail = |i: &InitramfsInfo| {
+        format!(
+            "{} KiB, sha256 {}",
+            i.size_bytes / 1024,
+            &i.content_sha256[..12]
+        )
+    };
     if let Some(rec) = cache::read_record::<InitramfsInfo>(&dir, LAYER, &key) {
         let report = step.finish(true, detail(&rec.info));
-        return Ok((InitramfsLayer { path, key, info: rec.info }, report));
+        return Ok((
+            InitramfsLayer {
+                path,
+                key,
+                info: rec.info,
+            },
+            report,
+        ));
     }
     step.message("writing cpio archive");
     let rec = cache::build_layer(&dir, LAYER, &key, |tmp| {
@@ -95,7 +108,14 @@ pub fn build_initramfs(
         })
     })?;
     let report = step.finish(false, detail(&rec.info));
-    Ok((InitramfsLayer { path, key, info: rec.info }, report))
+    Ok((
+        InitramfsLayer {
+            path,
+            key,
+            info: rec.info,
+        },
+        report,
+    ))
 }
 
 /// The archive bytes: directories, /dev/console, busybox and its applet
@@ -103,8 +123,20 @@ pub fn build_initramfs(
 fn initramfs_archive(kernel: &KernelLayer) -> Result<Vec<u8>, ImageError> {
     let mut cpio = CpioWriter::default();
     for dir in [
-        "bin", "dev", "etc", "lib", "lib/modules", "newroot", "proc", "run", "sbin", "sys", "tmp",
-        "usr", "usr/bin", "usr/sbin",
+        "bin",
+        "dev",
+        "etc",
+        "lib",
+        "lib/modules",
+        "newroot",
+        "proc",
+        "run",
+        "sbin",
+        "sys",
+        "tmp",
+        "usr",
+        "usr/bin",
+        "usr/sbin",
     ] {
         cpio.dir(dir, 0o755);
     }
@@ -219,7 +251,11 @@ mod tests {
             .args(["sh", "-c", script])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         Some(String::from_utf8(out.stdout).unwrap())
     }
 
@@ -242,7 +278,9 @@ mod tests {
 
     #[test]
     fn wait_for_block_gives_up() {
-        let script = format!("{INIT_LIB}\nif wait_for_block /nonexistent 2; then echo found; else echo gave-up; fi");
+        let script = format!(
+            "{INIT_LIB}\nif wait_for_block /nonexistent 2; then echo found; else echo gave-up; fi"
+        );
         if let Some(out) = busybox_sh(&script) {
             assert_eq!(out, "gave-up\n");
         }
@@ -257,7 +295,11 @@ mod tests {
             .args(["sh", "-n", "-c", &init_script()])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]

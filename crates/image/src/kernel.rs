@@ -137,7 +137,11 @@ pub fn resolve_kernel_package() -> Result<KernelPackage, ImageError> {
 /// `apt-cache` would resolve the kernel the same way.
 fn apt_fingerprint() -> String {
     let mut files = Vec::new();
-    for dir in ["/var/lib/apt/lists", "/etc/apt/sources.list.d", "/etc/apt/preferences.d"] {
+    for dir in [
+        "/var/lib/apt/lists",
+        "/etc/apt/sources.list.d",
+        "/etc/apt/preferences.d",
+    ] {
         if let Ok(entries) = fs::read_dir(dir) {
             files.extend(entries.flatten().map(|e| e.path()));
         }
@@ -180,7 +184,10 @@ pub fn resolve_kernel_package_cached(images_dir: &Path) -> Result<KernelPackage,
     }
     let package = resolve_kernel_package()?;
     // Re-read: resolving may have run apt-get update.
-    let resolved = Resolved { apt_fingerprint: apt_fingerprint(), package: package.clone() };
+    let resolved = Resolved {
+        apt_fingerprint: apt_fingerprint(),
+        package: package.clone(),
+    };
     fs::create_dir_all(images_dir.join(LAYER)).ctx(|| "creating the kernel cache dir".into())?;
     cache::write_json_atomic(&memo, &resolved)?;
     Ok(package)
@@ -197,17 +204,36 @@ pub fn build_kernel(
         .join(LAYER)
         .join(format!("{}_{}", pkg.name, pkg.version));
     let step = Step::start(progress, "kernel", format!("{} {}", pkg.name, pkg.version));
-    let detail = |info: &KernelInfo| format!("{} ({} modules)", info.kernel_version, info.modules.len());
+    let detail =
+        |info: &KernelInfo| format!("{} ({} modules)", info.kernel_version, info.modules.len());
     if let Some(rec) = cache::read_record::<KernelInfo>(&dir, LAYER, &key) {
         let report = step.finish(true, detail(&rec.info));
-        return Ok((KernelLayer { dir, key, info: rec.info }, report));
+        return Ok((
+            KernelLayer {
+                dir,
+                key,
+                info: rec.info,
+            },
+            report,
+        ));
     }
     let rec = cache::build_layer(&dir, LAYER, &key, |tmp| fill_kernel_layer(tmp, pkg, &step))?;
     let report = step.finish(false, detail(&rec.info));
-    Ok((KernelLayer { dir, key, info: rec.info }, report))
+    Ok((
+        KernelLayer {
+            dir,
+            key,
+            info: rec.info,
+        },
+        report,
+    ))
 }
 
-fn fill_kernel_layer(tmp: &Path, pkg: &KernelPackage, step: &Step) -> Result<KernelInfo, ImageError> {
+fn fill_kernel_layer(
+    tmp: &Path,
+    pkg: &KernelPackage,
+    step: &Step,
+) -> Result<KernelInfo, ImageError> {
     use std::os::unix::fs::PermissionsExt;
 
     // apt drops privileges to `_apt` for downloads; a world-writable
@@ -227,7 +253,9 @@ fn fill_kernel_layer(tmp: &Path, pkg: &KernelPackage, step: &Step) -> Result<Ker
         .flatten()
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|e| e == "deb"))
-        .ok_or_else(|| ImageError::Kernel(format!("apt-get download of {} left no .deb", pkg.name)))?;
+        .ok_or_else(|| {
+            ImageError::Kernel(format!("apt-get download of {} left no .deb", pkg.name))
+        })?;
 
     step.message("dpkg-deb -x");
     let extract = tmp.join("extract");
@@ -238,9 +266,13 @@ fn fill_kernel_layer(tmp: &Path, pkg: &KernelPackage, step: &Step) -> Result<Ker
         .strip_prefix("linux-image-")
         .ok_or_else(|| ImageError::Kernel(format!("{} is not a linux-image package", pkg.name)))?
         .to_string();
-    let vmlinuz = extract.join("boot").join(format!("vmlinuz-{kernel_version}"));
+    let vmlinuz = extract
+        .join("boot")
+        .join(format!("vmlinuz-{kernel_version}"));
     fs::copy(&vmlinuz, tmp.join("vmlinuz")).ctx(|| format!("copying {}", vmlinuz.display()))?;
-    let config = extract.join("boot").join(format!("config-{kernel_version}"));
+    let config = extract
+        .join("boot")
+        .join(format!("config-{kernel_version}"));
     if config.exists() {
         fs::copy(&config, tmp.join("config")).ctx(|| format!("copying {}", config.display()))?;
     }
@@ -280,7 +312,11 @@ fn fill_kernel_layer(tmp: &Path, pkg: &KernelPackage, step: &Step) -> Result<Ker
 /// Canonical names listed in `modules.builtin` (empty if absent).
 fn builtin_modules(moddir: &Path) -> Result<HashSet<String>, ImageError> {
     match fs::read_to_string(moddir.join("modules.builtin")) {
-        Ok(t) => Ok(t.lines().filter(|l| !l.is_empty()).map(canonical_name).collect()),
+        Ok(t) => Ok(t
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(canonical_name)
+            .collect()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(HashSet::new()),
         Err(e) => Err(ImageError::io("reading modules.builtin", e)),
     }
@@ -368,7 +404,10 @@ mod tests {
     #[test]
     fn depends_output_is_parsed() {
         let out = "linux-image-cloud-amd64\n  Depends: linux-image-6.1.0-57-cloud-amd64\n";
-        assert_eq!(parse_depends(out).unwrap(), "linux-image-6.1.0-57-cloud-amd64");
+        assert_eq!(
+            parse_depends(out).unwrap(),
+            "linux-image-6.1.0-57-cloud-amd64"
+        );
         assert!(parse_depends("x\n  Depends: <linux-image-virtual>\n").is_none());
         assert!(parse_depends("linux-image-cloud-amd64\n").is_none());
     }
@@ -381,7 +420,10 @@ mod tests {
 
     #[test]
     fn kernel_key_depends_on_name_and_version() {
-        let p = |n: &str, v: &str| KernelPackage { name: n.into(), version: v.into() };
+        let p = |n: &str, v: &str| KernelPackage {
+            name: n.into(),
+            version: v.into(),
+        };
         assert_eq!(kernel_key(&p("a", "1")), kernel_key(&p("a", "1")));
         assert_ne!(kernel_key(&p("a", "1")), kernel_key(&p("a", "2")));
         assert_ne!(kernel_key(&p("a", "1")), kernel_key(&p("b", "1")));

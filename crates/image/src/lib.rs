@@ -81,8 +81,8 @@ pub use error::ImageError;
 pub use host::debian_mirror;
 pub use initramfs::{build_initramfs, init_script, CpioWriter, InitramfsInfo, InitramfsLayer};
 pub use kernel::{
-    build_kernel, resolve_kernel_package, resolve_kernel_package_cached, KernelInfo, KernelLayer, KernelPackage, GUEST_MODULES,
-    KERNEL_META_PACKAGE,
+    build_kernel, resolve_kernel_package, resolve_kernel_package_cached, KernelInfo, KernelLayer,
+    KernelPackage, GUEST_MODULES, KERNEL_META_PACKAGE,
 };
 pub use modules::ModulesDep;
 pub use progress::StepReport;
@@ -157,8 +157,21 @@ pub struct Artifacts {
 /// step reports (how this particular call went) do not count.
 impl PartialEq for Artifacts {
     fn eq(&self, other: &Self) -> bool {
-        (&self.template, &self.kernel, &self.initramfs, &self.rootfs, &self.kernel_version, &self.input_hash)
-            == (&other.template, &other.kernel, &other.initramfs, &other.rootfs, &other.kernel_version, &other.input_hash)
+        (
+            &self.template,
+            &self.kernel,
+            &self.initramfs,
+            &self.rootfs,
+            &self.kernel_version,
+            &self.input_hash,
+        ) == (
+            &other.template,
+            &other.kernel,
+            &other.initramfs,
+            &other.rootfs,
+            &other.kernel_version,
+            &other.input_hash,
+        )
     }
 }
 
@@ -202,7 +215,10 @@ pub fn input_hash(
         .field("kernel-version", &kernel.version)
         .field("initramfs", initramfs_sha256)
         .field("suite", SUITE)
-        .field("packages", rootfs::normalized_packages(&spec.packages).join(","))
+        .field(
+            "packages",
+            rootfs::normalized_packages(&spec.packages).join(","),
+        )
         .field("agent", agent_sha256)
         .field("disk-mib", spec.disk_mib.to_string())
         .field("name", &spec.name)
@@ -232,8 +248,14 @@ pub fn build(spec: &TemplateSpec, opts: &BuildOptions) -> Result<Artifacts, Imag
     let (initramfs, r2) = build_initramfs(&images, &kernel, &opts.progress)?;
     let (base, r3) = build_base(&images, &spec.packages, &opts.progress)?;
     let agent_sha = cache::sha256_file_cached(&images, opts.guest_agent)?;
-    let (image, r4) =
-        build_rootfs_image(&images, spec, &base, opts.guest_agent, &agent_sha, &opts.progress)?;
+    let (image, r4) = build_rootfs_image(
+        &images,
+        spec,
+        &base,
+        opts.guest_agent,
+        &agent_sha,
+        &opts.progress,
+    )?;
 
     let artifacts = Artifacts {
         template: spec.name.clone(),
@@ -259,7 +281,9 @@ pub fn build(spec: &TemplateSpec, opts: &BuildOptions) -> Result<Artifacts, Imag
 /// they are all still present. Does no building and no apt lookups, so it
 /// may be stale against a newer Debian kernel; use [`build`] to refresh.
 pub fn current_artifacts(state_dir: &Path, name: &str) -> Option<Artifacts> {
-    let path = images_dir(state_dir).join("templates").join(format!("{name}.json"));
+    let path = images_dir(state_dir)
+        .join("templates")
+        .join(format!("{name}.json"));
     let a: Artifacts = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
     (a.kernel.is_file() && a.initramfs.is_file() && a.rootfs.is_file()).then_some(a)
 }
@@ -270,11 +294,17 @@ mod tests {
 
     #[test]
     fn input_hash_changes_with_each_input_only() {
-        let pkg = KernelPackage { name: "linux-image-x".into(), version: "1".into() };
+        let pkg = KernelPackage {
+            name: "linux-image-x".into(),
+            version: "1".into(),
+        };
         let spec = find_template("base").unwrap();
         let h = input_hash(&pkg, "initrd", &spec, "agent");
         assert_eq!(h, input_hash(&pkg, "initrd", &spec, "agent"));
-        let pkg2 = KernelPackage { version: "2".into(), ..pkg.clone() };
+        let pkg2 = KernelPackage {
+            version: "2".into(),
+            ..pkg.clone()
+        };
         assert_ne!(h, input_hash(&pkg2, "initrd", &spec, "agent"));
         assert_ne!(h, input_hash(&pkg, "initrd2", &spec, "agent"));
         assert_ne!(h, input_hash(&pkg, "initrd", &spec, "agent2"));

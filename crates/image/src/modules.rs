@@ -124,7 +124,9 @@ impl ModulesDep {
             )));
         }
         let deps = self.deps.get(path).ok_or_else(|| {
-            ImageError::Module(format!("{path} is a dependency but has no modules.dep entry"))
+            ImageError::Module(format!(
+                "{path} is a dependency but has no modules.dep entry"
+            ))
         })?;
         stack.push(path.to_string());
         for d in deps {
@@ -140,7 +142,11 @@ impl ModulesDep {
 /// Reads a 64-bit little-endian ELF header field; `None` when out of range.
 fn le(bytes: &[u8], at: usize, len: usize) -> Option<u64> {
     let b = bytes.get(at..at + len)?;
-    Some(b.iter().rev().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+    Some(
+        b.iter()
+            .rev()
+            .fold(0u64, |acc, &x| (acc << 8) | u64::from(x)),
+    )
 }
 
 fn is_elf64_le(bytes: &[u8]) -> bool {
@@ -262,7 +268,13 @@ kernel/drivers/net/virtio_net.ko: kernel/drivers/net/net_failover.ko kernel/net/
         let builtin: HashSet<String> = ["rng_core".to_string()].into();
         let order = dep
             .load_order(
-                &["virtio_mmio", "virtio_blk", "virtio_rng", "rng_core", "virtio_net"],
+                &[
+                    "virtio_mmio",
+                    "virtio_blk",
+                    "virtio_rng",
+                    "rng_core",
+                    "virtio_net",
+                ],
                 &builtin,
             )
             .unwrap();
@@ -280,8 +292,12 @@ kernel/drivers/net/virtio_net.ko: kernel/drivers/net/net_failover.ko kernel/net/
     fn order_is_deterministic_and_follows_request_order() {
         let dep = ModulesDep::parse(DEP).unwrap();
         let none = HashSet::new();
-        let a = dep.load_order(&["virtio_blk", "virtio_mmio"], &none).unwrap();
-        let b = dep.load_order(&["virtio_blk", "virtio_mmio"], &none).unwrap();
+        let a = dep
+            .load_order(&["virtio_blk", "virtio_mmio"], &none)
+            .unwrap();
+        let b = dep
+            .load_order(&["virtio_blk", "virtio_mmio"], &none)
+            .unwrap();
         assert_eq!(a, b);
         assert_eq!(
             a.iter().map(|p| canonical_name(p)).collect::<Vec<_>>(),

@@ -26,7 +26,11 @@ pub(crate) struct Step {
 }
 
 impl Step {
-    pub(crate) fn start(progress: &MultiProgress, name: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn start(
+        progress: &MultiProgress,
+        name: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
         let bar = progress.add(ProgressBar::new_spinner());
         bar.set_style(
             ProgressStyle::with_template("{spinner:.cyan} {prefix:<16} {wide_msg} [{elapsed}]")

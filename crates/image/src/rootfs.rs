@@ -90,7 +90,11 @@ pub struct ImageLayer {
 /// Sorted, de-duplicated package list: the order a template lists its
 /// packages in must not change any key.
 pub fn normalized_packages(packages: &[String]) -> Vec<String> {
-    let mut p: Vec<String> = packages.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    let mut p: Vec<String> = packages
+        .iter()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
     p.sort();
     p.dedup();
     p
@@ -130,11 +134,28 @@ pub fn build_base(
     let key = base_key(&packages);
     let dir = images_dir.join(BASE).join(&key[..16]);
     let root = dir.join("root");
-    let step = Step::start(progress, "debootstrap", format!("{SUITE} minbase + {} packages", packages.len()));
-    let detail = |i: &BaseInfo| format!("{SUITE} + {} packages, {} MiB", i.packages.len(), i.tree_bytes >> 20);
+    let step = Step::start(
+        progress,
+        "debootstrap",
+        format!("{SUITE} minbase + {} packages", packages.len()),
+    );
+    let detail = |i: &BaseInfo| {
+        format!(
+            "{SUITE} + {} packages, {} MiB",
+            i.packages.len(),
+            i.tree_bytes >> 20
+        )
+    };
     if let Some(rec) = cache::read_record::<BaseInfo>(&dir, BASE, &key) {
         let report = step.finish(true, detail(&rec.info));
-        return Ok((BaseLayer { root, key, info: rec.info }, report));
+        return Ok((
+            BaseLayer {
+                root,
+                key,
+                info: rec.info,
+            },
+            report,
+        ));
     }
     host::ensure_tools(host::ROOTFS_TOOLS, false)?;
     let mirror = host::debian_mirror(SUITE);
@@ -147,8 +168,10 @@ pub fn build_base(
         let started = std::time::Instant::now();
         apt_install(&root, &packages, &step)?;
         let apt_seconds = started.elapsed().as_secs_f64();
-        let installed =
-            cmd::run(&mut chroot_cmd(&root, &["dpkg-query", "-W", "-f", "${Package} ${Version}\n"]))?;
+        let installed = cmd::run(&mut chroot_cmd(
+            &root,
+            &["dpkg-query", "-W", "-f", "${Package} ${Version}\n"],
+        ))?;
         fs::write(tmp.join("packages.txt"), &installed).ctx(|| "writing packages.txt".into())?;
         step.message("slimming the tree");
         slim(&root)?;
@@ -163,12 +186,20 @@ pub fn build_base(
         })
     })?;
     let report = step.finish(false, detail(&rec.info));
-    Ok((BaseLayer { root, key, info: rec.info }, report))
+    Ok((
+        BaseLayer {
+            root,
+            key,
+            info: rec.info,
+        },
+        report,
+    ))
 }
 
 fn debootstrap(root: &Path, mirror: &str, step: &Step) -> Result<(), ImageError> {
     let mut c = Command::new("debootstrap");
-    c.env("LC_ALL", "C").env("DEBIAN_FRONTEND", "noninteractive");
+    c.env("LC_ALL", "C")
+        .env("DEBIAN_FRONTEND", "noninteractive");
     c.args(["--variant=minbase", "--components=main"]);
     c.arg(SUITE).arg(root).arg(mirror);
     let log = root.join("debootstrap/debootstrap.log");
@@ -209,17 +240,25 @@ fn apt_install(root: &Path, packages: &[String], step: &Step) -> Result<(), Imag
     // Keep maintainer scripts from starting daemons in the build tree.
     let policy = root.join("usr/sbin/policy-rc.d");
     fs::write(&policy, "#!/bin/sh\nexit 101\n").ctx(|| format!("writing {}", policy.display()))?;
-    fs::set_permissions(&policy, fs::Permissions::from_mode(0o755)).ctx(|| format!("chmod {}", policy.display()))?;
+    fs::set_permissions(&policy, fs::Permissions::from_mode(0o755))
+        .ctx(|| format!("chmod {}", policy.display()))?;
 
     let show = |line: &str| {
         let l = line.trim();
-        if ["Get:", "Unpacking ", "Setting up ", "Hit:", "Reading "].iter().any(|p| l.starts_with(p)) {
+        if ["Get:", "Unpacking ", "Setting up ", "Hit:", "Reading "]
+            .iter()
+            .any(|p| l.starts_with(p))
+        {
             step.message(format!("apt: {l}"));
         }
     };
     step.message("apt-get update");
     cmd::run_streaming(&mut chroot_cmd(root, &["apt-get", "update"]), show, || None)?;
-    cmd::run_streaming(&mut chroot_cmd(root, &["apt-get", "-y", "upgrade"]), show, || None)?;
+    cmd::run_streaming(
+        &mut chroot_cmd(root, &["apt-get", "-y", "upgrade"]),
+        show,
+        || None,
+    )?;
     if !packages.is_empty() {
         let mut args = vec!["apt-get", "install", "-y", "--no-install-recommends"];
         args.extend(packages.iter().map(String::as_str));
@@ -234,7 +273,11 @@ fn apt_install(root: &Path, packages: &[String], step: &Step) -> Result<(), Imag
 fn write_apt_sources(root: &Path, mirror: &str) -> Result<(), ImageError> {
     let security = {
         let s = host::debian_mirror(&format!("{SUITE}-security"));
-        if s.ends_with("-security") { s } else { "http://deb.debian.org/debian-security".to_string() }
+        if s.ends_with("-security") {
+            s
+        } else {
+            "http://deb.debian.org/debian-security".to_string()
+        }
     };
     let text = format!(
         "deb {mirror} {SUITE} main\ndeb {mirror} {SUITE}-updates main\ndeb {security} {SUITE}-security main\n"
@@ -250,7 +293,9 @@ fn write_apt_sources(root: &Path, mirror: &str) -> Result<(), ImageError> {
 fn slim(root: &Path) -> Result<(), ImageError> {
     let clear_dir = |rel: &str, keep: &dyn Fn(&Path) -> bool| -> Result<(), ImageError> {
         let dir = root.join(rel);
-        let Ok(entries) = fs::read_dir(&dir) else { return Ok(()) };
+        let Ok(entries) = fs::read_dir(&dir) else {
+            return Ok(());
+        };
         for e in entries.flatten() {
             let p = e.path();
             if !keep(&p) {
@@ -260,9 +305,13 @@ fn slim(root: &Path) -> Result<(), ImageError> {
         Ok(())
     };
     let nothing = |_: &Path| false;
-    clear_dir("var/cache/apt/archives", &|p| p.ends_with("partial") || p.ends_with("lock"))?;
+    clear_dir("var/cache/apt/archives", &|p| {
+        p.ends_with("partial") || p.ends_with("lock")
+    })?;
     clear_dir("var/cache/apt", &|p| p.is_dir())?;
-    clear_dir("var/lib/apt/lists", &|p| p.ends_with("partial") || p.ends_with("lock"))?;
+    clear_dir("var/lib/apt/lists", &|p| {
+        p.ends_with("partial") || p.ends_with("lock")
+    })?;
     clear_dir("usr/share/man", &nothing)?;
     clear_dir("usr/share/info", &nothing)?;
     clear_dir("usr/share/locale", &|p| p.ends_with("locale.alias"))?;
@@ -273,9 +322,10 @@ fn slim(root: &Path) -> Result<(), ImageError> {
         for pkg in pkgs.flatten() {
             let p = pkg.path();
             if p.is_dir() && !p.is_symlink() {
-                clear_dir(&format!("usr/share/doc/{}", pkg.file_name().to_string_lossy()), &|f| {
-                    f.ends_with("copyright")
-                })?;
+                clear_dir(
+                    &format!("usr/share/doc/{}", pkg.file_name().to_string_lossy()),
+                    &|f| f.ends_with("copyright"),
+                )?;
             }
         }
     }
@@ -299,8 +349,13 @@ fn tree_bytes(root: &Path) -> Result<u64, ImageError> {
     let mut total = 0u64;
     let mut stack = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        for e in fs::read_dir(&dir).ctx(|| format!("listing {}", dir.display()))?.flatten() {
-            let Ok(m) = e.path().symlink_metadata() else { continue };
+        for e in fs::read_dir(&dir)
+            .ctx(|| format!("listing {}", dir.display()))?
+            .flatten()
+        {
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
             if m.is_dir() {
                 stack.push(e.path());
             } else if m.is_file() && seen.insert((m.dev(), m.ino())) {
@@ -322,13 +377,32 @@ pub fn build_rootfs_image(
     progress: &MultiProgress,
 ) -> Result<(ImageLayer, StepReport), ImageError> {
     let key = image_key(&base.key, agent_sha256, spec);
-    let dir = images_dir.join(IMAGE).join(format!("{}-{}", spec.name, &key[..16]));
+    let dir = images_dir
+        .join(IMAGE)
+        .join(format!("{}-{}", spec.name, &key[..16]));
     let path = dir.join(ROOTFS_FILE);
-    let step = Step::start(progress, "rootfs image", format!("{} ({} MiB)", spec.name, spec.disk_mib));
-    let detail = |i: &ImageInfo| format!("{} MiB sparse, {} MiB allocated", i.disk_mib, i.allocated_bytes >> 20);
+    let step = Step::start(
+        progress,
+        "rootfs image",
+        format!("{} ({} MiB)", spec.name, spec.disk_mib),
+    );
+    let detail = |i: &ImageInfo| {
+        format!(
+            "{} MiB sparse, {} MiB allocated",
+            i.disk_mib,
+            i.allocated_bytes >> 20
+        )
+    };
     if let Some(rec) = cache::read_record::<ImageInfo>(&dir, IMAGE, &key) {
         let report = step.finish(true, detail(&rec.info));
-        return Ok((ImageLayer { path, key, info: rec.info }, report));
+        return Ok((
+            ImageLayer {
+                path,
+                key,
+                info: rec.info,
+            },
+            report,
+        ));
     }
     host::ensure_tools(host::ROOTFS_TOOLS, false)?;
     let needed_mib = (base.info.tree_bytes >> 20) * 5 / 4 + 64;
@@ -345,7 +419,12 @@ pub fn build_rootfs_image(
         step.message("copying the base tree");
         // --reflink=auto makes this nearly free on XFS/btrfs; -a keeps
         // owners, modes, hard links and device nodes.
-        cmd::run(Command::new("cp").args(["-a", "--reflink=auto"]).arg(&base.root).arg(&stage))?;
+        cmd::run(
+            Command::new("cp")
+                .args(["-a", "--reflink=auto"])
+                .arg(&base.root)
+                .arg(&stage),
+        )?;
         step.message("installing the guest agent");
         install_agent(&stage, agent)?;
         write_identity(&stage, &spec.name)?;
@@ -363,7 +442,14 @@ pub fn build_rootfs_image(
         })
     })?;
     let report = step.finish(false, detail(&rec.info));
-    Ok((ImageLayer { path, key, info: rec.info }, report))
+    Ok((
+        ImageLayer {
+            path,
+            key,
+            info: rec.info,
+        },
+        report,
+    ))
 }
 
 /// Copies the agent to its place in the guest, mode 0755.
@@ -372,7 +458,8 @@ pub fn install_agent(root: &Path, agent: &Path) -> Result<(), ImageError> {
     let parent = dest.parent().expect("agent path has a parent");
     fs::create_dir_all(parent).ctx(|| format!("creating {}", parent.display()))?;
     fs::copy(agent, &dest).ctx(|| format!("copying {} to {}", agent.display(), dest.display()))?;
-    fs::set_permissions(&dest, fs::Permissions::from_mode(0o755)).ctx(|| format!("chmod {}", dest.display()))
+    fs::set_permissions(&dest, fs::Permissions::from_mode(0o755))
+        .ctx(|| format!("chmod {}", dest.display()))
 }
 
 /// Hostname, hosts, a resolv.conf placeholder and an empty machine-id.
@@ -411,7 +498,8 @@ pub fn make_ext4_image(src_dir: &Path, image: &Path, disk_mib: u32) -> Result<()
     cache::remove_path(image)?;
     // Create the file sparse ourselves rather than rely on mke2fs doing it.
     let f = fs::File::create(image).ctx(|| format!("creating {}", image.display()))?;
-    f.set_len(u64::from(disk_mib) << 20).ctx(|| format!("sizing {}", image.display()))?;
+    f.set_len(u64::from(disk_mib) << 20)
+        .ctx(|| format!("sizing {}", image.display()))?;
     drop(f);
     cmd::run(
         Command::new("mkfs.ext4")
@@ -433,7 +521,10 @@ pub fn make_ext4_image(src_dir: &Path, image: &Path, disk_mib: u32) -> Result<()
 
 /// Bytes a (sparse) file occupies on disk.
 pub fn allocated_bytes(path: &Path) -> Result<u64, ImageError> {
-    Ok(fs::metadata(path).ctx(|| format!("stat {}", path.display()))?.blocks() * 512)
+    Ok(fs::metadata(path)
+        .ctx(|| format!("stat {}", path.display()))?
+        .blocks()
+        * 512)
 }
 
 #[cfg(test)]
@@ -484,15 +575,26 @@ mod tests {
         let agent = t.path().join("agent");
         fs::write(&agent, "#!/bin/sh\n").unwrap();
         install_agent(&src, &agent).unwrap();
-        let mode = fs::metadata(src.join(AGENT_PATH_IN_GUEST)).unwrap().permissions().mode();
+        let mode = fs::metadata(src.join(AGENT_PATH_IN_GUEST))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o755);
         let img = t.path().join("img");
         make_ext4_image(&src, &img, 64).unwrap();
         assert_eq!(fs::metadata(&img).unwrap().len(), 64 << 20);
-        assert!(allocated_bytes(&img).unwrap() < 32 << 20, "image is not sparse");
+        assert!(
+            allocated_bytes(&img).unwrap() < 32 << 20,
+            "image is not sparse"
+        );
         let out = cmd::run(Command::new("dumpe2fs").arg("-h").arg(&img)).unwrap();
         assert!(out.contains(ROOTFS_LABEL), "{out}");
-        let ls = cmd::run(Command::new("debugfs").args(["-R", "stat /usr/local/sbin/shoal-guest-agent"]).arg(&img)).unwrap();
+        let ls = cmd::run(
+            Command::new("debugfs")
+                .args(["-R", "stat /usr/local/sbin/shoal-guest-agent"])
+                .arg(&img),
+        )
+        .unwrap();
         assert!(ls.contains("0755"), "{ls}");
     }
 }

@@ -66,14 +66,18 @@ impl TemplateSpec {
         let bad = |why: String| Err(ImageError::InvalidTemplate(format!("{}: {why}", self.name)));
         let name_ok = !self.name.is_empty()
             && self.name.len() <= 63
-            && self.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
             && !self.name.starts_with('-');
         if !name_ok {
             return bad("name must be 1-63 of [a-z0-9-], not starting with '-'".into());
         }
         for p in &self.packages {
             let ok = p.len() >= 2
-                && p.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b))
+                && p.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b))
                 && p.as_bytes()[0].is_ascii_alphanumeric();
             if !ok {
                 return bad(format!("{p:?} is not a Debian package name"));

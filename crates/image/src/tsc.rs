@@ -42,7 +42,9 @@ pub fn host_tsc_khz() -> Option<u64> {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            let mut samples: Vec<u64> = (0..3).map(|_| measure_once(Duration::from_millis(50))).collect();
+            let mut samples: Vec<u64> = (0..3)
+                .map(|_| measure_once(Duration::from_millis(50)))
+                .collect();
             samples.sort_unstable();
             let khz = samples[1];
             (khz > 0).then_some(khz)

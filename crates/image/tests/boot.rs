@@ -53,25 +53,36 @@ struct Boot {
 fn boot(kernel: &Path, initrd: &Path, disk: Option<&Path>, machine: &str, sock: &Path) -> Boot {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(QEMU);
-    cmd.args(["-M", machine, "-accel", "tcg,tb-size=64", "-cpu", "max", "-m", "512"])
-        .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
-        .args(["-serial", "stdio"])
-        .arg("-kernel")
-        .arg(kernel)
-        .arg("-initrd")
-        .arg(initrd)
-        .arg("-append")
-        .arg(tcg_kernel_cmdline());
+    cmd.args([
+        "-M",
+        machine,
+        "-accel",
+        "tcg,tb-size=64",
+        "-cpu",
+        "max",
+        "-m",
+        "512",
+    ])
+    .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"])
+    .args(["-serial", "stdio"])
+    .arg("-kernel")
+    .arg(kernel)
+    .arg("-initrd")
+    .arg(initrd)
+    .arg("-append")
+    .arg(tcg_kernel_cmdline());
     if let Some(disk) = disk {
-        cmd.args(["-device", "virtio-blk-device,drive=d"]).arg("-drive").arg(format!(
-            "id=d,file={},format=raw,if=none",
-            disk.display()
-        ));
+        cmd.args(["-device", "virtio-blk-device,drive=d"])
+            .arg("-drive")
+            .arg(format!("id=d,file={},format=raw,if=none", disk.display()));
     }
     cmd.args(["-device", "virtio-serial-device"])
         .args(["-device", "virtserialport,name=org.shoal.agent,chardev=c"])
         .arg("-chardev")
-        .arg(format!("socket,id=c,path={},server=on,wait=off", sock.display()))
+        .arg(format!(
+            "socket,id=c,path={},server=on,wait=off",
+            sock.display()
+        ))
         .args(["-device", "virtio-rng-device"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -93,7 +104,10 @@ fn boot(kernel: &Path, initrd: &Path, disk: Option<&Path>, machine: &str, sock: 
                 if n == 0 {
                     break;
                 }
-                output.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+                output
+                    .lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         })
     })
@@ -114,8 +128,15 @@ fn boot(kernel: &Path, initrd: &Path, disk: Option<&Path>, machine: &str, sock: 
         r.join().unwrap();
     }
     let output = output.lock().unwrap().clone();
-    eprintln!("--- serial ({machine}, {:.2} s, exited={exited}) ---\n{output}", elapsed.as_secs_f64());
-    Boot { output, exited, elapsed }
+    eprintln!(
+        "--- serial ({machine}, {:.2} s, exited={exited}) ---\n{output}",
+        elapsed.as_secs_f64()
+    );
+    Boot {
+        output,
+        exited,
+        elapsed,
+    }
 }
 
 #[test]
@@ -137,8 +158,15 @@ fn kernel_and_initramfs_boot_into_the_agent() {
     let (kernel2, r1) = build_kernel(&images, &pkg, &quiet).unwrap();
     let (initramfs2, r2) = build_initramfs(&images, &kernel2, &quiet).unwrap();
     assert!(r1.cached && r2.cached);
-    assert_eq!(initramfs2.info.content_sha256, initramfs.info.content_sha256);
-    assert!(again.elapsed() < Duration::from_secs(1), "{:?}", again.elapsed());
+    assert_eq!(
+        initramfs2.info.content_sha256,
+        initramfs.info.content_sha256
+    );
+    assert!(
+        again.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        again.elapsed()
+    );
 
     // A tiny root: busybox plus the fake agent at the real agent's path.
     let root = tmp.path().join("root");
@@ -151,28 +179,56 @@ fn kernel_and_initramfs_boot_into_the_agent() {
     make_ext4_image(&root, &disk, 32).unwrap();
     let sock = tmp.path().join("agent.sock");
 
-    let ok = boot(&kernel.vmlinuz(), &initramfs.path, Some(&disk), "microvm", &sock);
+    let ok = boot(
+        &kernel.vmlinuz(),
+        &initramfs.path,
+        Some(&disk),
+        "microvm",
+        &sock,
+    );
     assert!(ok.exited, "QEMU did not power off within {DEADLINE:?}");
     assert!(ok.output.contains("SHOAL-BOOT-OK"), "no SHOAL-BOOT-OK");
-    assert!(ok.output.contains("FAKE-AGENT pid=1 args=--init"), "agent is not PID 1 with --init");
-    assert!(ok.output.contains("VPORTS: /dev/vport"), "no /dev/vport* in the guest");
+    assert!(
+        ok.output.contains("FAKE-AGENT pid=1 args=--init"),
+        "agent is not PID 1 with --init"
+    );
+    assert!(
+        ok.output.contains("VPORTS: /dev/vport"),
+        "no /dev/vport* in the guest"
+    );
     assert!(ok.output.contains("PORT-NAMES: org.shoal.agent"));
-    assert!(ok.output.contains("RNG: virtio_rng"), "virtio-rng not the active hwrng");
+    assert!(
+        ok.output.contains("RNG: virtio_rng"),
+        "virtio-rng not the active hwrng"
+    );
     assert!(ok.output.contains("ROOT-WRITABLE"));
     assert!(!ok.output.contains("FATAL"));
-    eprintln!("boot to agent and poweroff: {:.2} s", ok.elapsed.as_secs_f64());
+    eprintln!(
+        "boot to agent and poweroff: {:.2} s",
+        ok.elapsed.as_secs_f64()
+    );
 
     // No disk: /init must say why and power the VM off by itself.
     let nodisk = boot(&kernel.vmlinuz(), &initramfs.path, None, "microvm", &sock);
     assert!(nodisk.exited, "QEMU kept running without a disk");
-    assert!(nodisk.output.contains("shoal-init: FATAL: /dev/vda did not appear"));
+    assert!(nodisk
+        .output
+        .contains("shoal-init: FATAL: /dev/vda did not appear"));
 
     // With acpi=off the devices are only on the command line, which this
     // kernel (no CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES) ignores: /init fails
     // cleanly and, with no ACPI poweroff, reboots into -no-reboot's exit.
-    let noacpi = boot(&kernel.vmlinuz(), &initramfs.path, Some(&disk), "microvm,acpi=off", &sock);
+    let noacpi = boot(
+        &kernel.vmlinuz(),
+        &initramfs.path,
+        Some(&disk),
+        "microvm,acpi=off",
+        &sock,
+    );
     assert!(noacpi.exited, "QEMU kept running with acpi=off");
-    assert!(noacpi.output.contains("shoal-init: FATAL: /dev/vda did not appear"));
+    assert!(noacpi
+        .output
+        .contains("shoal-init: FATAL: /dev/vda did not appear"));
     assert!(noacpi.output.contains("rebooting (no ACPI poweroff)"));
     assert!(!noacpi.output.contains("SHOAL-BOOT-OK"));
 }

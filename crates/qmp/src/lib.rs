@@ -249,9 +249,13 @@ impl Qmp {
 
     /// Hands QEMU an open file descriptor under `name`, for `fd:<name>` URIs.
     pub async fn getfd(&self, name: &str, fd: &impl AsRawFd) -> Result<(), QmpError> {
-        self.execute_inner("getfd", Some(json!({ "fdname": name })), Some(fd.as_raw_fd()))
-            .await
-            .map(drop)
+        self.execute_inner(
+            "getfd",
+            Some(json!({ "fdname": name })),
+            Some(fd.as_raw_fd()),
+        )
+        .await
+        .map(drop)
     }
 
     /// Starts an outgoing migration to `uri`.
@@ -307,7 +311,9 @@ async fn send_with_fd(writer: &OwnedWriteHalf, bytes: &[u8], fd: RawFd) -> std::
     let stream: &UnixStream = writer.as_ref();
     loop {
         stream.writable().await?;
-        let result = stream.try_io(tokio::io::Interest::WRITABLE, || sendmsg_fd(stream.as_raw_fd(), bytes, fd));
+        let result = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg_fd(stream.as_raw_fd(), bytes, fd)
+        });
         match result {
             Ok(sent) if sent == bytes.len() => return Ok(()),
             Ok(sent) => {
@@ -415,10 +421,7 @@ mod tests {
 
     /// A scripted QMP peer: answers each command with the reply the test
     /// gives for it, and reports the commands it saw.
-    async fn fake_qemu(
-        listener: UnixListener,
-        replies: Vec<Value>,
-    ) -> Vec<Value> {
+    async fn fake_qemu(listener: UnixListener, replies: Vec<Value>) -> Vec<Value> {
         let (stream, _) = listener.accept().await.unwrap();
         let (read_half, mut write_half) = stream.into_split();
         let mut reader = BufReader::new(read_half);
@@ -480,8 +483,18 @@ mod tests {
         );
         drop(qmp);
         let seen = peer.await.unwrap();
-        let names: Vec<_> = seen.iter().map(|c| c["execute"].as_str().unwrap().to_string()).collect();
-        assert_eq!(names, ["qmp_capabilities", "query-status", "migrate-set-capabilities"]);
+        let names: Vec<_> = seen
+            .iter()
+            .map(|c| c["execute"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "qmp_capabilities",
+                "query-status",
+                "migrate-set-capabilities"
+            ]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

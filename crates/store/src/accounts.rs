@@ -19,6 +19,7 @@ const INSERT_TOKEN: &str = "INSERT INTO tokens (hash, account_id, created_at) VA
 const AUTHENTICATE: &str = "SELECT a.id, a.name, a.tier FROM tokens t \
      JOIN accounts a ON a.id = t.account_id WHERE t.hash = $1";
 const ACCOUNT_BY_NAME: &str = "SELECT id, name, tier FROM accounts WHERE name = $1";
+const ACCOUNT_BY_ID: &str = "SELECT id, name, tier FROM accounts WHERE id = $1";
 const DELETE_TOKEN: &str = "DELETE FROM tokens WHERE hash = $1";
 
 impl Store {
@@ -61,6 +62,17 @@ impl Store {
         on_reader!(self, pool => {
             sqlx::query(ACCOUNT_BY_NAME)
                 .bind(name)
+                .fetch_optional(pool)
+                .await?
+                .map(|r| row::account(&r))
+                .transpose()
+        })
+    }
+
+    pub async fn account_by_id(&self, id: i64) -> Result<Option<Account>> {
+        on_reader!(self, pool => {
+            sqlx::query(ACCOUNT_BY_ID)
+                .bind(id)
                 .fetch_optional(pool)
                 .await?
                 .map(|r| row::account(&r))

@@ -32,6 +32,11 @@ const SQLITE: &[Embedded] = &[
         include_str!("../migrations/sqlite/0002_sweeps.sql"),
     ),
     (
+        3,
+        "sweep runner",
+        include_str!("../migrations/sqlite/0003_sweep_runner.sql"),
+    ),
+    (
         4,
         "hosts",
         include_str!("../migrations/sqlite/0004_hosts.sql"),
@@ -48,6 +53,11 @@ const POSTGRES: &[Embedded] = &[
         2,
         "sweeps",
         include_str!("../migrations/postgres/0002_sweeps.sql"),
+    ),
+    (
+        3,
+        "sweep runner",
+        include_str!("../migrations/postgres/0003_sweep_runner.sql"),
     ),
     (
         4,

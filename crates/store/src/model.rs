@@ -255,6 +255,10 @@ pub struct SnapshotRow {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SweepState {
+    /// Waiting for the sweeps of its `after_ok` to finish well; nothing is
+    /// claimed from it. Becomes `active`, or `cancelled` when one of them
+    /// ends otherwise ([`Store::resolve_held`](crate::Store::resolve_held)).
+    Held,
     /// Its pending cells may be claimed.
     Active,
     /// Cancelled by its owner: nothing more is claimed; cells that were
@@ -267,6 +271,7 @@ pub enum SweepState {
 impl SweepState {
     pub fn as_str(self) -> &'static str {
         match self {
+            SweepState::Held => "held",
             SweepState::Active => "active",
             SweepState::Cancelled => "cancelled",
             SweepState::Done => "done",
@@ -285,6 +290,7 @@ impl FromStr for SweepState {
 
     fn from_str(s: &str) -> Result<SweepState, StoreError> {
         match s {
+            "held" => Ok(SweepState::Held),
             "active" => Ok(SweepState::Active),
             "cancelled" => Ok(SweepState::Cancelled),
             "done" => Ok(SweepState::Done),
@@ -356,7 +362,7 @@ impl FromStr for CellState {
 }
 
 /// A sweep as its owner asked for it, before it exists.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct NewSweep {
     /// Made by the caller; unique across all accounts.
     pub id: String,
@@ -380,6 +386,16 @@ pub struct NewSweep {
     /// How the cells' sandboxes are made from a set-up sandbox, if they are
     /// (e.g. `{"setup": "pip install ..."}`); the store keeps it as given.
     pub fork_from: Option<serde_json::Value>,
+    /// Ids of sweeps (any account's: the caller checks ownership) that must
+    /// be `done` with every cell `succeeded` first; the sweep is `held`
+    /// until then.
+    pub after_ok: Vec<String>,
+    /// Working directory of the command; None for the runner's default.
+    pub workdir: Option<String>,
+    /// Path -> base64 content, written into each cell's sandbox.
+    pub files: BTreeMap<String, String>,
+    /// What the Slurm bridge said of the job; kept as given.
+    pub slurm: Option<serde_json::Value>,
 }
 
 /// One sweep as stored.
@@ -402,6 +418,18 @@ pub struct SweepRow {
     /// When the last cell reached a terminal state (also for a cancelled
     /// sweep); None while any cell is pending or running.
     pub finished_at: Option<f64>,
+    /// The first of the block of job ids the sweep took (one per cell):
+    /// cell `idx` is job `job_id + idx`.
+    pub job_id: u64,
+    /// Why the sweep is held or was cancelled by the runner
+    /// (`Dependency`, `DependencyNeverSatisfied`), else None.
+    pub reason: Option<String>,
+    pub after_ok: Vec<String>,
+    pub workdir: Option<String>,
+    pub files: BTreeMap<String, String>,
+    pub slurm: Option<serde_json::Value>,
+    /// When a cell was first claimed.
+    pub started_at: Option<f64>,
 }
 
 /// One cell as stored. The outcome fields (`exit_code` to `error`) describe
@@ -436,6 +464,14 @@ pub struct CellRow {
     pub gib_seconds: f64,
     pub cost_usd: f64,
     pub error: Option<String>,
+    /// The signal that ended the last attempt's command.
+    pub signal: Option<i32>,
+    /// Whether stdout or stderr of the last attempt was cut to its end.
+    pub output_truncated: bool,
+    /// The last attempt's phases in milliseconds, as the runner gave them.
+    pub timings: Option<serde_json::Value>,
+    /// This cell alone was cancelled while it ran.
+    pub cancel_requested: bool,
 }
 
 /// A cell a runner claimed: it must run it, renew the lease while it runs,
@@ -494,6 +530,10 @@ pub struct CellOutcome {
     pub gib_seconds: f64,
     pub error: Option<String>,
     pub finished_at: f64,
+    pub signal: Option<i32>,
+    pub output_truncated: bool,
+    /// The attempt's phases in milliseconds (kept as given).
+    pub timings: Option<serde_json::Value>,
 }
 
 impl CellOutcome {
@@ -511,6 +551,9 @@ impl CellOutcome {
             gib_seconds: 0.0,
             error: None,
             finished_at,
+            signal: None,
+            output_truncated: false,
+            timings: None,
         }
     }
 }
@@ -521,8 +564,8 @@ impl CellOutcome {
 pub enum Renewal {
     /// The claim holds and its lease was extended.
     Renewed,
-    /// The claim holds and its lease was extended, but the sweep was
-    /// cancelled: kill the sandbox, then finish the cell (it records
+    /// The claim holds and its lease was extended, but the sweep (or this
+    /// cell alone) was cancelled: kill the sandbox, then finish the cell (it records
     /// `cancelled` unless the attempt succeeded).
     Cancelled,
     /// The claim was lost (its lease expired and was swept, or the cell was
@@ -599,6 +642,26 @@ pub struct CellFilter {
     pub after: Option<u32>,
     /// At most this many.
     pub limit: Option<u32>,
+    /// Skipping this many of those that pass first.
+    pub offset: Option<u32>,
+}
+
+/// Cells of one sweep per state, and what all their attempts used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SweepSummary {
+    pub counts: SweepCounts,
+    pub cpu_seconds: f64,
+    pub gib_seconds: f64,
+    pub cost_usd: f64,
+}
+
+/// What [`Store::resolve_held`](crate::Store::resolve_held) changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldResolution {
+    /// Sweeps whose dependencies all finished well: now `active`.
+    pub activated: Vec<String>,
+    /// Sweeps a dependency of which ended otherwise: now `cancelled`.
+    pub cancelled: Vec<String>,
 }
 
 /// What a host agent reports when it registers and at every heartbeat.

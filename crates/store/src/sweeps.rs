@@ -56,7 +56,8 @@ use crate::row::{signed, unsigned, Column};
 use crate::sandboxes::already_exists;
 use crate::{
     on_reader, on_writer, Backend, CellEnd, CellFilter, CellOutcome, CellRow, CellState, Claim,
-    Metadata, NewSweep, Renewal, Result, Store, StoreError, SweepCounts, SweepRow, SweepState,
+    HeldResolution, Metadata, NewSweep, Renewal, Result, Store, StoreError, SweepCounts, SweepRow,
+    SweepState, SweepSummary,
 };
 
 /// Cells per `INSERT` statement of [`Store::create_sweep`] (two parameters
@@ -69,7 +70,8 @@ const CELL_BATCH: usize = 500;
 macro_rules! sweep_columns {
     () => {
         "id, account_id, name, template, command, env, cells, throttle, timeout_seconds, \
-         max_attempts, collect, fork_from, state, created_at, finished_at"
+         max_attempts, collect, fork_from, state, created_at, finished_at, job_id, reason, \
+         after_ok, workdir, files, slurm, started_at"
     };
 }
 
@@ -78,15 +80,83 @@ macro_rules! cell_columns {
     () => {
         "sweep_id, idx, value, state, attempts, claim_id, claim_epoch, lease_expires_at, \
          claimed_by, started_at, finished_at, exit_code, elapsed_ms, stdout_tail, stderr_tail, \
-         collected, sandbox_id, cpu_seconds, gib_seconds, cost_usd, error"
+         collected, sandbox_id, cpu_seconds, gib_seconds, cost_usd, error, signal, \
+         output_truncated, timings, cancel_requested"
     };
 }
 
 const INSERT_SWEEP: &str = concat!(
     "INSERT INTO sweeps (",
     sweep_columns!(),
-    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
+     $18, $19, $20, $21, $22)"
 );
+
+/// Takes a block of $1 job ids; the block ends before the value returned.
+const TAKE_JOB_IDS: &str = "UPDATE counters SET next_value = next_value + $1 \
+     WHERE name = 'job_id' RETURNING next_value";
+
+const INSERT_DEP: &str = "INSERT INTO sweep_deps (sweep_id, after_id) VALUES ($1, $2)";
+
+const BY_JOB_ID: &str = concat!(
+    "SELECT ",
+    sweep_columns!(),
+    " FROM sweeps WHERE job_id = $1 AND account_id = $2"
+);
+
+/// Notes when a sweep's first cell was claimed.
+const SET_STARTED: &str = "UPDATE sweeps SET started_at = $2 WHERE id = $1 AND started_at IS NULL";
+
+/// Whether a dependency `p` finished well: done, every cell succeeded.
+macro_rules! finished_well {
+    () => {
+        "(p.state = 'done' AND NOT EXISTS \
+         (SELECT 1 FROM sweep_cells c WHERE c.sweep_id = p.id AND c.state <> 'succeeded'))"
+    };
+}
+
+/// Held sweeps a dependency of which can no longer finish well.
+const HELD_DOOMED: &str = concat!(
+    "SELECT s.id FROM sweeps s WHERE s.state = 'held' AND EXISTS (SELECT 1 FROM sweep_deps d \
+     JOIN sweeps p ON p.id = d.after_id WHERE d.sweep_id = s.id \
+     AND (p.state = 'cancelled' OR (p.state = 'done' AND NOT ",
+    finished_well!(),
+    "))) ORDER BY s.created_at, s.id"
+);
+
+/// Held sweeps every dependency of which finished well.
+const HELD_READY: &str = concat!(
+    "SELECT s.id FROM sweeps s WHERE s.state = 'held' AND NOT EXISTS (SELECT 1 FROM sweep_deps d \
+     JOIN sweeps p ON p.id = d.after_id WHERE d.sweep_id = s.id AND NOT ",
+    finished_well!(),
+    ") ORDER BY s.created_at, s.id"
+);
+
+const ACTIVATE_HELD: &str =
+    "UPDATE sweeps SET state = 'active', reason = NULL WHERE id = $1 AND state = 'held'";
+const CANCEL_HELD: &str = "UPDATE sweeps SET state = 'cancelled', \
+     reason = 'DependencyNeverSatisfied' WHERE id = $1 AND state = 'held'";
+
+/// A runner's claims, for giving them back when it restarts.
+const RUNNER_CLAIMS: &str = "SELECT sweep_id, idx, claim_id FROM sweep_cells \
+     WHERE state = 'running' AND claimed_by = $1 ORDER BY sweep_id, idx";
+
+const CANCEL_PENDING_CELL: &str = "UPDATE sweep_cells SET state = 'cancelled', finished_at = $3 \
+     WHERE sweep_id = $1 AND idx = $2 AND state = 'pending'";
+const CANCEL_RUNNING_CELL: &str = "UPDATE sweep_cells SET cancel_requested = TRUE \
+     WHERE sweep_id = $1 AND idx = $2 AND state = 'running' \
+     RETURNING idx, value, attempts, claim_id, claim_epoch, lease_expires_at";
+
+const GET_CELL: &str = concat!(
+    "SELECT ",
+    cell_columns!(),
+    " FROM sweep_cells WHERE sweep_id = $1 AND idx = $2 \
+     AND EXISTS (SELECT 1 FROM sweeps WHERE id = $1 AND account_id = $3)"
+);
+
+const SUMMARY: &str = "SELECT state, COUNT(*) AS n, SUM(cpu_seconds) AS cpu, \
+     SUM(gib_seconds) AS gib, SUM(cost_usd) AS cost FROM sweep_cells WHERE sweep_id = $1 \
+     AND EXISTS (SELECT 1 FROM sweeps WHERE id = $1 AND account_id = $2) GROUP BY state";
 
 const GET: &str = concat!(
     "SELECT ",
@@ -146,13 +216,14 @@ const CLAIM_POSTGRES: &str = claim_sql!(" FOR UPDATE SKIP LOCKED");
 
 const RENEW: &str = "UPDATE sweep_cells SET lease_expires_at = $4 \
      WHERE sweep_id = $1 AND idx = $2 AND claim_id = $3 AND state = 'running' \
-     RETURNING (SELECT state FROM sweeps WHERE id = $1) AS sweep_state";
+     RETURNING (SELECT state FROM sweeps WHERE id = $1) AS sweep_state, cancel_requested";
 
 /// The state a finished attempt leaves the cell in ($4: the attempt's end),
 /// with `s` the sweep's state and attempt limit. See the module's table.
 macro_rules! finish_state {
     () => {
-        "(CASE WHEN s.sweep_state = 'cancelled' AND $4 <> 'succeeded' THEN 'cancelled' \
+        "(CASE WHEN (s.sweep_state = 'cancelled' OR sweep_cells.cancel_requested) \
+         AND $4 <> 'succeeded' THEN 'cancelled' \
          WHEN s.sweep_state = 'active' AND $4 IN ('failed', 'timeout') \
          AND sweep_cells.attempts < s.max_attempts THEN 'pending' ELSE $4 END)"
     };
@@ -172,7 +243,8 @@ macro_rules! finish_sql {
              claim_id = NULL, lease_expires_at = NULL, exit_code = $6, elapsed_ms = $7, \
              stdout_tail = $8, stderr_tail = $9, collected = $10, sandbox_id = $11, \
              cpu_seconds = cpu_seconds + $12, gib_seconds = gib_seconds + $13, \
-             cost_usd = cost_usd + $14, error = $15 \
+             cost_usd = cost_usd + $14, error = $15, signal = $16, output_truncated = $17, \
+             timings = $18 \
              FROM s WHERE sweep_cells.sweep_id = $1 AND sweep_cells.idx = $2 \
              AND sweep_cells.claim_id = $3 AND sweep_cells.state = 'running' \
              RETURNING sweep_cells.state"
@@ -189,8 +261,10 @@ macro_rules! release_sql {
             "WITH s AS MATERIALIZED (SELECT state AS sweep_state FROM sweeps WHERE id = $1",
             $lock,
             ") UPDATE sweep_cells SET \
-             state = CASE WHEN s.sweep_state = 'cancelled' THEN 'cancelled' ELSE 'pending' END, \
-             finished_at = CASE WHEN s.sweep_state = 'cancelled' THEN $4 ELSE NULL END, \
+             state = CASE WHEN s.sweep_state = 'cancelled' OR sweep_cells.cancel_requested \
+             THEN 'cancelled' ELSE 'pending' END, \
+             finished_at = CASE WHEN s.sweep_state = 'cancelled' OR sweep_cells.cancel_requested \
+             THEN $4 ELSE NULL END, \
              attempts = CASE WHEN sweep_cells.attempts > 0 THEN sweep_cells.attempts - 1 ELSE 0 END, \
              claim_id = NULL, lease_expires_at = NULL \
              FROM s WHERE sweep_cells.sweep_id = $1 AND sweep_cells.idx = $2 \
@@ -205,7 +279,7 @@ const RELEASE_POSTGRES: &str = release_sql!(" FOR KEY SHARE");
 /// The state a cell whose lease expired goes to. See the module's table.
 macro_rules! expire_state {
     () => {
-        "(CASE WHEN s.sweep_state = 'cancelled' THEN 'cancelled' \
+        "(CASE WHEN s.sweep_state = 'cancelled' OR sweep_cells.cancel_requested THEN 'cancelled' \
          WHEN sweep_cells.attempts < s.max_attempts THEN 'pending' ELSE 'failed' END)"
     };
 }
@@ -244,7 +318,7 @@ const LOCK_SETTLE_POSTGRES: &str = "SELECT id FROM sweeps WHERE id = $1 FOR UPDA
 
 /// Marks a sweep whose cells are all terminal finished (`done` if active).
 const SETTLE: &str = "UPDATE sweeps SET \
-     state = CASE WHEN state = 'active' THEN 'done' ELSE state END, finished_at = $2 \
+     state = CASE WHEN state IN ('active', 'held') THEN 'done' ELSE state END, finished_at = $2 \
      WHERE id = $1 AND finished_at IS NULL \
      AND NOT EXISTS (SELECT 1 FROM sweep_cells WHERE sweep_id = $1 AND state = 'pending') \
      AND NOT EXISTS (SELECT 1 FROM sweep_cells WHERE sweep_id = $1 AND state = 'running')";
@@ -255,17 +329,20 @@ const LOCK_OWNED_POSTGRES: &str =
     "SELECT state FROM sweeps WHERE id = $1 AND account_id = $2 FOR UPDATE";
 
 const CANCEL_SWEEP: &str =
-    "UPDATE sweeps SET state = 'cancelled' WHERE id = $1 AND state = 'active'";
+    "UPDATE sweeps SET state = 'cancelled' WHERE id = $1 AND state IN ('active', 'held')";
 const CANCEL_PENDING: &str = "UPDATE sweep_cells SET state = 'cancelled', finished_at = $2 \
      WHERE sweep_id = $1 AND state = 'pending'";
 const RUNNING_CLAIMS: &str =
     "SELECT idx, value, attempts, claim_id, claim_epoch, lease_expires_at \
      FROM sweep_cells WHERE sweep_id = $1 AND state = 'running' ORDER BY idx";
 
-const REQUEUE_CELLS: &str =
-    "UPDATE sweep_cells SET state = 'pending', attempts = 0, finished_at = NULL \
-     WHERE sweep_id = $1 AND state IN ('failed', 'timeout')";
-const REACTIVATE: &str = "UPDATE sweeps SET state = 'active', finished_at = NULL WHERE id = $1";
+const REQUEUE_CELLS: &str = "UPDATE sweep_cells SET state = 'pending', attempts = 0, \
+     finished_at = NULL, cancel_requested = FALSE \
+     WHERE sweep_id = $1 AND state IN ('failed', 'timeout', 'cancelled')";
+/// A held sweep stays held: its dependencies still decide.
+const REACTIVATE: &str = "UPDATE sweeps SET \
+     state = CASE WHEN state = 'held' THEN 'held' ELSE 'active' END, \
+     reason = CASE WHEN state = 'held' THEN reason ELSE NULL END, finished_at = NULL WHERE id = $1";
 
 const SET_THROTTLE: &str = "UPDATE sweeps SET throttle = $3 WHERE id = $1 AND account_id = $2";
 
@@ -277,7 +354,7 @@ const LIST_CELLS: &str = concat!(
     cell_columns!(),
     " FROM sweep_cells WHERE sweep_id = $1 \
      AND EXISTS (SELECT 1 FROM sweeps WHERE id = $1 AND account_id = $2) \
-     AND ($3 IS NULL OR state = $3) AND idx > $4 ORDER BY idx LIMIT $5"
+     AND ($3 IS NULL OR state = $3) AND idx > $4 ORDER BY idx LIMIT $5 OFFSET $6"
 );
 
 /// The SQL that differs between the backends.
@@ -328,12 +405,15 @@ impl Store {
         }
     }
 
-    /// Inserts the sweep `active` and every cell `pending`, in one
-    /// transaction (cells in multi-row inserts of 500). A sweep of
-    /// no cells is `done` at once. [`StoreError::AlreadyExists`] if the id is
-    /// taken.
+    /// Inserts the sweep and every cell `pending`, in one transaction (cells
+    /// in multi-row inserts of 500), with a block of as many job ids as it
+    /// has cells (at least one) taken from the `job_id` counter in the same
+    /// transaction. The sweep is `active`, or `held` (reason `Dependency`)
+    /// when it has `after_ok`; a sweep of no cells is `done` at once.
+    /// [`StoreError::AlreadyExists`] if the id is taken.
     pub async fn create_sweep(&self, new: &NewSweep, now: f64) -> Result<SweepRow> {
-        let row = SweepRow {
+        let held = !new.after_ok.is_empty() && !new.cells.is_empty();
+        let mut row = SweepRow {
             id: new.id.clone(),
             account_id: new.account_id,
             name: new.name.clone(),
@@ -348,12 +428,25 @@ impl Store {
             fork_from: new.fork_from.clone(),
             state: if new.cells.is_empty() {
                 SweepState::Done
+            } else if held {
+                SweepState::Held
             } else {
                 SweepState::Active
             },
             created_at: now,
             finished_at: new.cells.is_empty().then_some(now),
+            job_id: 0,
+            reason: held.then(|| "Dependency".to_owned()),
+            after_ok: new.after_ok.clone(),
+            workdir: new.workdir.clone(),
+            files: new.files.clone(),
+            slurm: new.slurm.clone(),
+            started_at: None,
         };
+        let block = signed(new.cells.len().max(1) as u64);
+        let after_ok = to_json(&new.after_ok);
+        let files = to_json(&new.files);
+        let slurm = new.slurm.as_ref().map(to_json);
         let env = to_json(&new.env);
         let cells = to_json(&new.cells);
         let collect = to_json(&new.collect);
@@ -362,6 +455,12 @@ impl Store {
         let begin = self.dialect().begin;
         on_writer!(self, pool => {
             let mut tx = pool.begin_with(begin).await?;
+            let next = sqlx::query(TAKE_JOB_IDS)
+                .bind(block)
+                .fetch_one(&mut *tx)
+                .await?
+                .int("next_value")?;
+            row.job_id = unsigned(next - block, "job_id")?;
             sqlx::query(INSERT_SWEEP)
                 .bind(&row.id)
                 .bind(row.account_id)
@@ -378,9 +477,19 @@ impl Store {
                 .bind(row.state.as_str())
                 .bind(row.created_at)
                 .bind(row.finished_at)
+                .bind(signed(row.job_id))
+                .bind(&row.reason)
+                .bind(&after_ok)
+                .bind(&row.workdir)
+                .bind(&files)
+                .bind(&slurm)
+                .bind(row.started_at)
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "sweep", &row.id))?;
+            for after in &new.after_ok {
+                sqlx::query(INSERT_DEP).bind(&row.id).bind(after).execute(&mut *tx).await?;
+            }
             for (batch, chunk) in new.cells.chunks(CELL_BATCH).enumerate() {
                 let partial;
                 let sql = if chunk.len() == CELL_BATCH {
@@ -470,6 +579,7 @@ impl Store {
                 .bind(state)
                 .bind(after)
                 .bind(limit)
+                .bind(filter.offset.map_or(0, i64::from))
                 .fetch_all(pool)
                 .await?
                 .iter()
@@ -519,6 +629,9 @@ impl Store {
                         .map(|r| claim($id, r, expires))
                         .collect::<Result<Vec<_>>>()?;
                     got.sort_by_key(|c| c.idx);
+                    if !got.is_empty() {
+                        sqlx::query(SET_STARTED).bind($id).bind(now).execute(&mut *$tx).await?;
+                    }
                     claims.extend(got);
                 }};
             }
@@ -579,7 +692,7 @@ impl Store {
         lease: Duration,
         now: f64,
     ) -> Result<Renewal> {
-        let sweep_state: Option<String> = on_writer!(self, pool => {
+        let found: Option<(String, bool)> = on_writer!(self, pool => {
             sqlx::query(RENEW)
                 .bind(sweep_id)
                 .bind(i64::from(idx))
@@ -587,12 +700,14 @@ impl Store {
                 .bind(now + lease.as_secs_f64())
                 .fetch_optional(pool)
                 .await?
-                .map(|r| r.text("sweep_state"))
+                .map(|r| Ok::<_, sqlx::Error>((r.text("sweep_state")?, r.boolean("cancel_requested")?)))
                 .transpose()?
         });
-        Ok(match sweep_state.as_deref() {
+        Ok(match found {
             None => Renewal::Lost,
-            Some("cancelled") => Renewal::Cancelled,
+            Some((state, cancel_requested)) if state == "cancelled" || cancel_requested => {
+                Renewal::Cancelled
+            }
             Some(_) => Renewal::Renewed,
         })
     }
@@ -614,6 +729,7 @@ impl Store {
     ) -> Result<Option<CellState>> {
         let sql = self.dialect().finish;
         let collected = outcome.collected.as_ref().map(to_json);
+        let timings = outcome.timings.as_ref().map(to_json);
         let cost = self
             .rate_card
             .cost(outcome.cpu_seconds, outcome.gib_seconds);
@@ -634,6 +750,9 @@ impl Store {
                 .bind(outcome.gib_seconds)
                 .bind(cost)
                 .bind(&outcome.error)
+                .bind(outcome.signal.map(i64::from))
+                .bind(outcome.output_truncated)
+                .bind(&timings)
                 .fetch_optional(pool)
                 .await?
                 .map(|r| r.text("state"))
@@ -753,10 +872,10 @@ impl Store {
         Ok(Some(running))
     }
 
-    /// Puts the sweep's `failed` and `timeout` cells back to `pending` with
-    /// their attempts reset, and makes the sweep active again if there were
-    /// any (also a cancelled one: its cancelled cells stay cancelled). None
-    /// if `account_id` does not own the sweep, else how many cells.
+    /// Puts the sweep's `failed`, `timeout` and `cancelled` cells back to
+    /// `pending` with their attempts reset, and makes the sweep active again
+    /// if there were any (also a cancelled one; a held one stays held).
+    /// None if `account_id` does not own the sweep, else how many cells.
     pub async fn requeue_failed(&self, account_id: i64, id: &str) -> Result<Option<u64>> {
         let dialect = self.dialect();
         let requeued = on_writer!(self, pool => {
@@ -818,6 +937,176 @@ impl Store {
     }
 }
 
+impl Store {
+    /// The sweep whose first job id is `job_id`, if `account_id` owns it.
+    pub async fn sweep_by_job_id(&self, account_id: i64, job_id: u64) -> Result<Option<SweepRow>> {
+        on_reader!(self, pool => {
+            sqlx::query(BY_JOB_ID)
+                .bind(signed(job_id))
+                .bind(account_id)
+                .fetch_optional(pool)
+                .await?
+                .map(|r| sweep(&r))
+                .transpose()
+        })
+    }
+
+    /// One cell, if `account_id` owns its sweep.
+    pub async fn get_cell(&self, account_id: i64, id: &str, idx: u32) -> Result<Option<CellRow>> {
+        on_reader!(self, pool => {
+            sqlx::query(GET_CELL)
+                .bind(id)
+                .bind(i64::from(idx))
+                .bind(account_id)
+                .fetch_optional(pool)
+                .await?
+                .map(|r| cell(&r))
+                .transpose()
+        })
+    }
+
+    /// Cells per state and the usage of every attempt, summed; all zero if
+    /// `account_id` does not own the sweep.
+    pub async fn sweep_summary(&self, account_id: i64, id: &str) -> Result<SweepSummary> {
+        let rows: Vec<(String, i64, f64, f64, f64)> = on_reader!(self, pool => {
+            sqlx::query(SUMMARY)
+                .bind(id)
+                .bind(account_id)
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|r| Ok((r.text("state")?, r.int("n")?, r.real("cpu")?, r.real("gib")?, r.real("cost")?)))
+                .collect::<Result<_>>()?
+        });
+        let mut summary = SweepSummary::default();
+        for (state, n, cpu, gib, cost) in rows {
+            *summary.counts.get_mut(state.parse()?) += unsigned::<u64>(n, "count")?;
+            summary.cpu_seconds += cpu;
+            summary.gib_seconds += gib;
+            summary.cost_usd += cost;
+        }
+        Ok(summary)
+    }
+
+    /// Decides held sweeps: one a dependency of which was cancelled or is
+    /// done with a cell that did not succeed becomes `cancelled` (reason
+    /// `DependencyNeverSatisfied`, its cells `cancelled`, finished at
+    /// `now`); one whose dependencies are all done with every cell
+    /// succeeded becomes `active`. Safe to run from every control plane at
+    /// once (each change applies only to a sweep still held).
+    pub async fn resolve_held(&self, now: f64) -> Result<HeldResolution> {
+        let (doomed, ready): (Vec<String>, Vec<String>) = on_reader!(self, pool => {
+            let doomed = sqlx::query(HELD_DOOMED).fetch_all(pool).await?;
+            let ready = sqlx::query(HELD_READY).fetch_all(pool).await?;
+            (
+                doomed.iter().map(|r| r.text("id")).collect::<sqlx::Result<Vec<String>>>()?,
+                ready.iter().map(|r| r.text("id")).collect::<sqlx::Result<Vec<String>>>()?,
+            )
+        });
+        let mut resolution = HeldResolution::default();
+        let begin = self.dialect().begin;
+        for id in doomed {
+            let changed = on_writer!(self, pool => {
+                let mut tx = pool.begin_with(begin).await?;
+                let changed = sqlx::query(CANCEL_HELD).bind(&id).execute(&mut *tx).await?.rows_affected();
+                if changed > 0 {
+                    sqlx::query(CANCEL_PENDING).bind(&id).bind(now).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+                changed
+            });
+            if changed > 0 {
+                self.settle(&id, now).await?;
+                resolution.cancelled.push(id);
+            }
+        }
+        for id in ready {
+            let changed = on_writer!(self, pool => {
+                sqlx::query(ACTIVATE_HELD).bind(&id).execute(pool).await?.rows_affected()
+            });
+            if changed > 0 {
+                resolution.activated.push(id);
+            }
+        }
+        Ok(resolution)
+    }
+
+    /// Cancels the cells `indexes` of the sweep, if `account_id` owns it
+    /// (None otherwise): pending ones become `cancelled` at once; running
+    /// ones are marked, and their claims returned so that their sandboxes
+    /// can be killed (the runner holding one also learns it from
+    /// [`Store::renew_lease`]); each records `cancelled` when finished
+    /// unless it succeeded. Indexes that do not exist or are finished are
+    /// left alone.
+    pub async fn cancel_cells(
+        &self,
+        account_id: i64,
+        id: &str,
+        indexes: &[u32],
+        now: f64,
+    ) -> Result<Option<Vec<Claim>>> {
+        let dialect = self.dialect();
+        let running = on_writer!(self, pool => {
+            let mut tx = pool.begin_with(dialect.begin).await?;
+            let found = sqlx::query(dialect.lock_owned)
+                .bind(id)
+                .bind(account_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if found.is_none() {
+                return Ok(None);
+            }
+            let mut running = Vec::new();
+            for &idx in indexes {
+                sqlx::query(CANCEL_PENDING_CELL)
+                    .bind(id)
+                    .bind(i64::from(idx))
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                if let Some(r) = sqlx::query(CANCEL_RUNNING_CELL)
+                    .bind(id)
+                    .bind(i64::from(idx))
+                    .fetch_optional(&mut *tx)
+                    .await?
+                {
+                    let expires = r.real("lease_expires_at")?;
+                    running.push(claim(id, &r, expires)?);
+                }
+            }
+            tx.commit().await?;
+            running
+        });
+        self.settle(id, now).await?;
+        Ok(Some(running))
+    }
+
+    /// Gives back, uncounted, every claim `runner` holds: for a runner
+    /// starting again after a crash, whose sandboxes are gone (see
+    /// [`Store::release_cell`]). Returns how many.
+    pub async fn release_runner_claims(&self, runner: &str, now: f64) -> Result<u64> {
+        let claims: Vec<(String, i64, String)> = on_reader!(self, pool => {
+            sqlx::query(RUNNER_CLAIMS)
+                .bind(runner)
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|r| Ok((r.text("sweep_id")?, r.int("idx")?, r.text("claim_id")?)))
+                .collect::<Result<_>>()?
+        });
+        let mut released = 0;
+        for (sweep_id, idx, claim_id) in claims {
+            if self
+                .release_cell(&sweep_id, unsigned(idx, "idx")?, &claim_id, now)
+                .await?
+            {
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+}
+
 /// `INSERT` of `n` cells: `$1` the sweep id, then index and value per cell.
 fn insert_cells_sql(n: usize) -> String {
     let mut sql = String::from("INSERT INTO sweep_cells (sweep_id, idx, value) VALUES ");
@@ -864,6 +1153,20 @@ fn sweep(row: &impl Column) -> Result<SweepRow> {
         state: row.text("state")?.parse()?,
         created_at: row.real("created_at")?,
         finished_at: row.opt_real("finished_at")?,
+        job_id: unsigned(
+            row.opt_int("job_id")?
+                .ok_or_else(|| StoreError::Corrupt("sweep without a job_id".to_owned()))?,
+            "job_id",
+        )?,
+        reason: row.opt_text("reason")?,
+        after_ok: from_json(&row.text("after_ok")?, "sweep after_ok")?,
+        workdir: row.opt_text("workdir")?,
+        files: from_json(&row.text("files")?, "sweep files")?,
+        slurm: row
+            .opt_text("slurm")?
+            .map(|j| from_json(&j, "sweep slurm"))
+            .transpose()?,
+        started_at: row.opt_real("started_at")?,
     })
 }
 
@@ -899,6 +1202,16 @@ fn cell(row: &impl Column) -> Result<CellRow> {
         gib_seconds: row.real("gib_seconds")?,
         cost_usd: row.real("cost_usd")?,
         error: row.opt_text("error")?,
+        signal: row
+            .opt_int("signal")?
+            .map(|v| i32::try_from(v).map_err(|_| StoreError::Corrupt(format!("signal = {v}"))))
+            .transpose()?,
+        output_truncated: row.boolean("output_truncated")?,
+        timings: row
+            .opt_text("timings")?
+            .map(|j| from_json(&j, "cell timings"))
+            .transpose()?,
+        cancel_requested: row.boolean("cancel_requested")?,
     })
 }
 
@@ -954,8 +1267,7 @@ pub async fn measure_claims(
         throttle: u32::try_from(cells).unwrap_or(u32::MAX),
         timeout_seconds: 60,
         max_attempts: 1,
-        collect: Vec::new(),
-        fork_from: None,
+        ..NewSweep::default()
     };
     store.create_sweep(&new, unix_now()).await?;
     let started = Instant::now();

@@ -190,6 +190,11 @@ cases!(
     requeue_failed_reopens_the_sweep,
     restart_mid_sweep_finishes_every_cell_once,
     measure_claim_rate,
+    job_ids_are_blocks_unique_and_increasing,
+    held_sweeps_wait_for_their_dependencies,
+    cancelling_single_cells,
+    a_restarted_runner_gives_its_claims_back_uncounted,
+    runner_fields_round_trip,
 );
 
 async fn account_id(store: &Store, name: &str) -> i64 {
@@ -210,7 +215,7 @@ fn new_sweep(id: &str, account_id: i64, cells: usize) -> NewSweep {
         timeout_seconds: 600,
         max_attempts: 1,
         collect: vec!["/out/result.json".to_owned()],
-        fork_from: None,
+        ..NewSweep::default()
     }
 }
 
@@ -1435,4 +1440,390 @@ async fn measure_claim_rate(db: Arc<Db>) {
             2_000
         );
     }
+}
+
+/// Job ids: the first sweep gets 1000, each takes a block of as many ids as
+/// it has cells (one if none), concurrent creates never overlap, and a sweep
+/// is found by its job id only by its owner.
+async fn job_ids_are_blocks_unique_and_increasing(db: Arc<Db>) {
+    let store = &db.store;
+    let acct = account_id(store, "j").await;
+    let other = account_id(store, "j2").await;
+    let first = store
+        .create_sweep(&new_sweep("a", acct, 5), T0)
+        .await
+        .unwrap();
+    assert_eq!(first.job_id, 1000);
+    let empty = store
+        .create_sweep(&new_sweep("b", acct, 0), T0)
+        .await
+        .unwrap();
+    assert_eq!(empty.job_id, 1005);
+    let third = store
+        .create_sweep(&new_sweep("c", acct, 2), T0)
+        .await
+        .unwrap();
+    assert_eq!(third.job_id, 1006);
+
+    // Eight creators at once, from two stores on the same database.
+    let second_store = db.reopen().await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..8usize {
+        let store = if n % 2 == 0 {
+            store.clone()
+        } else {
+            second_store.clone()
+        };
+        tasks.spawn(async move {
+            let row = store
+                .create_sweep(&new_sweep(&format!("par{n}"), acct, n + 1), T0)
+                .await
+                .unwrap();
+            (row.job_id, n as u64 + 1)
+        });
+    }
+    let mut blocks = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        blocks.push(joined.unwrap());
+    }
+    blocks.sort();
+    assert_eq!(blocks[0].0, 1008);
+    for pair in blocks.windows(2) {
+        assert_eq!(
+            pair[0].0 + pair[0].1,
+            pair[1].0,
+            "blocks {blocks:?} overlap or leave gaps"
+        );
+    }
+    let found = store.sweep_by_job_id(acct, 1006).await.unwrap().unwrap();
+    assert_eq!(found.id, "c");
+    assert!(store.sweep_by_job_id(other, 1006).await.unwrap().is_none());
+    assert!(
+        store.sweep_by_job_id(acct, 1007).await.unwrap().is_none(),
+        "a task's id, not a sweep's"
+    );
+    second_store.close().await;
+}
+
+/// `after_ok`: a held sweep is never claimed; it becomes active when every
+/// dependency is done with all cells succeeded, and cancelled (its cells
+/// too) when one ends otherwise.
+async fn held_sweeps_wait_for_their_dependencies(db: Arc<Db>) {
+    let store = &db.store;
+    let acct = account_id(store, "h").await;
+    store
+        .create_sweep(&new_sweep("good", acct, 2), T0)
+        .await
+        .unwrap();
+    store
+        .create_sweep(&new_sweep("bad", acct, 1), T0 + 0.1)
+        .await
+        .unwrap();
+    let waits_good = NewSweep {
+        after_ok: vec!["good".to_owned()],
+        ..new_sweep("after-good", acct, 2)
+    };
+    let row = store.create_sweep(&waits_good, T0 + 0.2).await.unwrap();
+    assert_eq!(
+        (row.state, row.reason.as_deref()),
+        (SweepState::Held, Some("Dependency"))
+    );
+    let waits_both = NewSweep {
+        after_ok: vec!["good".to_owned(), "bad".to_owned()],
+        ..new_sweep("after-both", acct, 3)
+    };
+    store.create_sweep(&waits_both, T0 + 0.3).await.unwrap();
+    assert_eq!(
+        store
+            .get_sweep(acct, "after-both")
+            .await
+            .unwrap()
+            .unwrap()
+            .after_ok,
+        vec!["good".to_owned(), "bad".to_owned()]
+    );
+
+    // Nothing resolves while the dependencies run; held cells are never claimed.
+    assert_eq!(
+        store.resolve_held(T0 + 1.0).await.unwrap(),
+        Default::default()
+    );
+    let claims = store
+        .claim_cells("r", None, 100, LEASE, T0 + 1.0)
+        .await
+        .unwrap();
+    assert!(
+        claims
+            .iter()
+            .all(|c| c.sweep_id == "good" || c.sweep_id == "bad"),
+        "{claims:?}"
+    );
+    assert_eq!(claims.len(), 3);
+    for c in &claims {
+        let outcome = if c.sweep_id == "bad" {
+            failed(T0 + 2.0)
+        } else {
+            ok(T0 + 2.0)
+        };
+        store
+            .finish_cell(&c.sweep_id, c.idx, &c.claim_id, &outcome)
+            .await
+            .unwrap();
+    }
+    let resolved = store.resolve_held(T0 + 3.0).await.unwrap();
+    assert_eq!(resolved.activated, vec!["after-good".to_owned()]);
+    assert_eq!(resolved.cancelled, vec!["after-both".to_owned()]);
+    let row = store.get_sweep(acct, "after-both").await.unwrap().unwrap();
+    assert_eq!(
+        (row.state, row.reason.as_deref(), row.finished_at),
+        (
+            SweepState::Cancelled,
+            Some("DependencyNeverSatisfied"),
+            Some(T0 + 3.0)
+        )
+    );
+    assert_eq!(
+        store
+            .sweep_counts(acct, "after-both")
+            .await
+            .unwrap()
+            .cancelled,
+        3
+    );
+    let row = store.get_sweep(acct, "after-good").await.unwrap().unwrap();
+    assert_eq!((row.state, row.reason), (SweepState::Active, None));
+    let claims = store
+        .claim_cells("r", None, 100, LEASE, T0 + 4.0)
+        .await
+        .unwrap();
+    assert_eq!(claims.len(), 2);
+    assert!(claims.iter().all(|c| c.sweep_id == "after-good"));
+    // Resolving again changes nothing.
+    assert_eq!(
+        store.resolve_held(T0 + 5.0).await.unwrap(),
+        Default::default()
+    );
+
+    // A held sweep can be cancelled by its owner like any other.
+    let waits = NewSweep {
+        after_ok: vec!["after-good".to_owned()],
+        ..new_sweep("later", acct, 2)
+    };
+    store.create_sweep(&waits, T0 + 6.0).await.unwrap();
+    assert_eq!(
+        store.cancel_sweep(acct, "later", T0 + 7.0).await.unwrap(),
+        Some(vec![])
+    );
+    let row = store.get_sweep(acct, "later").await.unwrap().unwrap();
+    assert_eq!(
+        (row.state, row.finished_at),
+        (SweepState::Cancelled, Some(T0 + 7.0))
+    );
+}
+
+/// Cancelling some cells: pending ones at once, running ones through their
+/// runner (told by the renewal), recorded `cancelled` unless they
+/// succeeded; a requeue runs them again.
+async fn cancelling_single_cells(db: Arc<Db>) {
+    let store = &db.store;
+    let acct = account_id(store, "c").await;
+    store
+        .create_sweep(&new_sweep("sw", acct, 6), T0)
+        .await
+        .unwrap();
+    let claims = store.claim_cells("r", None, 3, LEASE, T0).await.unwrap();
+    assert_eq!(
+        claims.iter().map(|c| c.idx).collect::<Vec<_>>(),
+        vec![0, 1, 2]
+    );
+    assert!(store
+        .cancel_cells(acct + 1000, "sw", &[0], T0)
+        .await
+        .unwrap()
+        .is_none());
+    let running = store
+        .cancel_cells(acct, "sw", &[0, 1, 4, 99], T0 + 1.0)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        running.iter().map(|c| c.idx).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+    let cell = |idx| store.get_cell(acct, "sw", idx);
+    assert_eq!(cell(4).await.unwrap().unwrap().state, CellState::Cancelled);
+    assert!(cell(0).await.unwrap().unwrap().cancel_requested);
+    assert_eq!(
+        store
+            .renew_lease("sw", 0, &claims[0].claim_id, LEASE, T0 + 2.0)
+            .await
+            .unwrap(),
+        Renewal::Cancelled
+    );
+    assert_eq!(
+        store
+            .renew_lease("sw", 2, &claims[2].claim_id, LEASE, T0 + 2.0)
+            .await
+            .unwrap(),
+        Renewal::Renewed
+    );
+    // Killed: cancelled. Finished before the kill: succeeded.
+    let end = store
+        .finish_cell("sw", 0, &claims[0].claim_id, &failed(T0 + 3.0))
+        .await
+        .unwrap();
+    assert_eq!(end, Some(CellState::Cancelled));
+    let end = store
+        .finish_cell("sw", 1, &claims[1].claim_id, &ok(T0 + 3.0))
+        .await
+        .unwrap();
+    assert_eq!(end, Some(CellState::Succeeded));
+    let counts = store.sweep_counts(acct, "sw").await.unwrap();
+    assert_eq!(
+        (
+            counts.cancelled,
+            counts.succeeded,
+            counts.running,
+            counts.pending
+        ),
+        (2, 1, 1, 2)
+    );
+    assert_eq!(
+        store.get_sweep(acct, "sw").await.unwrap().unwrap().state,
+        SweepState::Active
+    );
+
+    // A requeue runs the cancelled cells again, no longer marked.
+    assert_eq!(store.requeue_failed(acct, "sw").await.unwrap(), Some(2));
+    let c0 = cell(0).await.unwrap().unwrap();
+    assert_eq!(
+        (c0.state, c0.cancel_requested, c0.attempts),
+        (CellState::Pending, false, 0)
+    );
+    assert!(cell(999).await.unwrap().is_none());
+    assert!(store
+        .get_cell(acct + 1000, "sw", 0)
+        .await
+        .unwrap()
+        .is_none());
+}
+
+/// A runner that crashed and starts again gives back what it held, without
+/// using up attempts; another runner's claims stay.
+async fn a_restarted_runner_gives_its_claims_back_uncounted(db: Arc<Db>) {
+    let store = &db.store;
+    let acct = account_id(store, "r").await;
+    store
+        .create_sweep(&new_sweep("sw", acct, 4), T0)
+        .await
+        .unwrap();
+    let mine = store
+        .claim_cells("host-a", None, 2, LEASE, T0)
+        .await
+        .unwrap();
+    let theirs = store
+        .claim_cells("host-b", None, 1, LEASE, T0)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .release_runner_claims("host-a", T0 + 1.0)
+            .await
+            .unwrap(),
+        2
+    );
+    for c in &mine {
+        let row = store.get_cell(acct, "sw", c.idx).await.unwrap().unwrap();
+        assert_eq!(
+            (row.state, row.attempts, row.claim_id),
+            (CellState::Pending, 0, None)
+        );
+        // The old claim is fenced off.
+        assert_eq!(
+            store
+                .finish_cell("sw", c.idx, &c.claim_id, &ok(T0 + 2.0))
+                .await
+                .unwrap(),
+            None
+        );
+    }
+    let row = store
+        .get_cell(acct, "sw", theirs[0].idx)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.state, CellState::Running);
+    assert_eq!(
+        store
+            .release_runner_claims("host-a", T0 + 3.0)
+            .await
+            .unwrap(),
+        0
+    );
+}
+
+/// What the runner and the bridge store comes back as stored: workdir,
+/// files, slurm, started_at at the first claim, signal, truncation and
+/// timings of an attempt, and the usage summed per sweep.
+async fn runner_fields_round_trip(db: Arc<Db>) {
+    let store = &db.store.clone().with_rate_card(RateCard::default());
+    let acct = account_id(store, "f").await;
+    let new = NewSweep {
+        workdir: Some("/work".to_owned()),
+        files: BTreeMap::from([("/work/a.py".to_owned(), "cHJpbnQoMSk=".to_owned())]),
+        slurm: Some(serde_json::json!({"job_name": "x", "array": "0-2%1"})),
+        ..new_sweep("sw", acct, 3)
+    };
+    let row = store.create_sweep(&new, T0).await.unwrap();
+    assert_eq!(row.started_at, None);
+    let fetched = store.get_sweep(acct, "sw").await.unwrap().unwrap();
+    assert_eq!(fetched, row);
+    let claims = store
+        .claim_cells("r", None, 3, LEASE, T0 + 5.0)
+        .await
+        .unwrap();
+    store
+        .claim_cells("r", None, 3, LEASE, T0 + 9.0)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .get_sweep(acct, "sw")
+            .await
+            .unwrap()
+            .unwrap()
+            .started_at,
+        Some(T0 + 5.0)
+    );
+    let timings =
+        serde_json::json!({"create": 120, "exec": 30, "run": 500, "collect": 4, "delete": 20});
+    for (n, c) in claims.iter().enumerate() {
+        let outcome = CellOutcome {
+            exit_code: Some(137),
+            signal: Some(9),
+            output_truncated: true,
+            timings: Some(timings.clone()),
+            stdout_tail: Some("x".repeat(1 << 20)),
+            cpu_seconds: 1.0 + n as f64,
+            gib_seconds: 2.0,
+            ..CellOutcome::new(CellEnd::Failed, T0 + 6.0)
+        };
+        store
+            .finish_cell("sw", c.idx, &c.claim_id, &outcome)
+            .await
+            .unwrap();
+    }
+    let cell = store.get_cell(acct, "sw", 1).await.unwrap().unwrap();
+    assert_eq!((cell.signal, cell.output_truncated), (Some(9), true));
+    assert_eq!(cell.timings, Some(timings));
+    assert_eq!(cell.stdout_tail.map(|s| s.len()), Some(1 << 20));
+    let summary = store.sweep_summary(acct, "sw").await.unwrap();
+    assert_eq!(summary.counts.failed, 3);
+    assert!((summary.cpu_seconds - 6.0).abs() < 1e-9);
+    assert!((summary.gib_seconds - 6.0).abs() < 1e-9);
+    assert!(summary.cost_usd > 0.0);
+    assert_eq!(
+        store.sweep_summary(acct + 1000, "sw").await.unwrap(),
+        Default::default()
+    );
 }

@@ -4,7 +4,9 @@
 //! single test), one engine per test binary on a fixed state directory (so a
 //! crashed run's leftovers are reaped by the next), the guest agent build,
 //! templates built once into the shared cache, `wait_until`, and leak
-//! checks. Holds no assertions about product behaviour: tests do.
+//! checks, and throwaway databases (SQLite, or PostgreSQL from
+//! `SHOAL_TEST_DATABASE_URL`). Holds no assertions about product behaviour:
+//! tests do.
 
 use shoal_engine::{Engine, EngineConfig};
 use std::path::{Path, PathBuf};
@@ -74,25 +76,32 @@ pub fn engine(binary: &str, templates: &[&str]) -> &'static Engine {
     let templates: Vec<String> = templates.iter().map(|t| t.to_string()).collect();
     // Initialised on a thread of its own: callers are usually inside
     // `block_on` already, and a runtime cannot be entered twice.
-    ENGINE.get_or_init(move || std::thread::spawn(move || {
-        block_on(async {
-            let mut config = EngineConfig::new(state_dir(&binary));
-            config.cache_dir = cache_dir();
-            let engine = Engine::open(config).await.expect("opening the engine");
-            let progress = indicatif::MultiProgress::with_draw_target(
-                indicatif::ProgressDrawTarget::stderr(),
-            );
-            for name in &templates {
+    ENGINE.get_or_init(move || {
+        std::thread::spawn(move || {
+            block_on(async {
+                let mut config = EngineConfig::new(state_dir(&binary));
+                config.cache_dir = cache_dir();
+                let engine = Engine::open(config).await.expect("opening the engine");
+                let progress = indicatif::MultiProgress::with_draw_target(
+                    indicatif::ProgressDrawTarget::stderr(),
+                );
+                for name in &templates {
+                    engine
+                        .build_template(name, guest_agent(), &progress)
+                        .await
+                        .unwrap_or_else(|e| {
+                            panic!(
+                                "building template {name}: {}",
+                                shoal_engine::error::chain(&e)
+                            )
+                        });
+                }
                 engine
-                    .build_template(name, guest_agent(), &progress)
-                    .await
-                    .unwrap_or_else(|e| panic!("building template {name}: {}", shoal_engine::error::chain(&e)));
-            }
-            engine
+            })
         })
+        .join()
+        .expect("engine set-up panicked")
     })
-    .join()
-    .expect("engine set-up panicked"))
 }
 
 /// Polls `condition` until it holds or `timeout` passes; returns whether it held.
@@ -139,7 +148,9 @@ pub fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let path = entry.path();
             if path.is_dir() {
@@ -150,4 +161,89 @@ pub fn files_under(dir: &Path) -> Vec<PathBuf> {
     }
     out.sort();
     out
+}
+
+/// A database of one test's own: an SQLite file in a fresh directory, or a
+/// fresh database on the PostgreSQL server `SHOAL_TEST_DATABASE_URL` names.
+pub struct TestDb {
+    /// What `Store::connect` takes.
+    pub url: String,
+    kind: DbKind,
+}
+
+enum DbKind {
+    Sqlite { dir: PathBuf },
+    Postgres { admin_url: String, name: String },
+}
+
+fn random_name() -> String {
+    format!("{}_{:016x}", std::process::id(), rand::random::<u64>())
+}
+
+impl TestDb {
+    pub async fn sqlite() -> TestDb {
+        let dir = std::env::temp_dir().join(format!("shoal-testdb-{}", random_name()));
+        std::fs::create_dir_all(&dir).expect("creating the database directory");
+        TestDb {
+            url: format!("sqlite:{}", dir.join("shoal.db").display()),
+            kind: DbKind::Sqlite { dir },
+        }
+    }
+
+    /// None when `SHOAL_TEST_DATABASE_URL` is not set, outside CI; under CI
+    /// (`CI` set) that is a failure: the PostgreSQL variants must run there.
+    pub async fn postgres() -> Option<TestDb> {
+        use sqlx::{Connection, Executor};
+        let Ok(admin_url) = std::env::var("SHOAL_TEST_DATABASE_URL") else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "SHOAL_TEST_DATABASE_URL is not set: under CI the PostgreSQL tests must run (scripts/with-postgres)"
+            );
+            eprintln!("skipping the PostgreSQL variant: SHOAL_TEST_DATABASE_URL is not set (use scripts/with-postgres)");
+            return None;
+        };
+        let name = format!("shoal_test_{}", random_name());
+        let mut admin = sqlx::PgConnection::connect(&admin_url)
+            .await
+            .expect("connecting to SHOAL_TEST_DATABASE_URL");
+        admin
+            .execute(&*format!("CREATE DATABASE {name}"))
+            .await
+            .expect("creating a test database");
+        admin.close().await.ok();
+        let (base, query) = match admin_url.split_once('?') {
+            Some((base, query)) => (base, Some(query)),
+            None => (admin_url.as_str(), None),
+        };
+        let authority = base.find("://").map_or(0, |i| i + 3);
+        let server = match base[authority..].find('/') {
+            Some(slash) => &base[..authority + slash],
+            None => base,
+        };
+        let url = match query {
+            Some(q) => format!("{server}/{name}?{q}"),
+            None => format!("{server}/{name}"),
+        };
+        Some(TestDb {
+            url,
+            kind: DbKind::Postgres { admin_url, name },
+        })
+    }
+
+    /// Removes the database (close every store on it first).
+    pub async fn cleanup(&self) {
+        use sqlx::{Connection, Executor};
+        match &self.kind {
+            DbKind::Sqlite { dir } => {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            DbKind::Postgres { admin_url, name } => {
+                if let Ok(mut admin) = sqlx::PgConnection::connect(admin_url).await {
+                    let _ = admin
+                        .execute(&*format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .await;
+                }
+            }
+        }
+    }
 }

@@ -1,0 +1,1168 @@
+//! The sweep runner: turns the sweep rows of the database into commands run
+//! in sandboxes, one fresh sandbox per attempt at a cell.
+//!
+//! Owns: claiming cells (woken at once by a new sweep, a requeue or a raised
+//! throttle, else polling), the life of one attempt (sandbox, files,
+//! command, lease renewal, collect, usage, delete, outcome), the `fork_from`
+//! parents of this control plane, and the periodic pass that expires
+//! leases, decides held sweeps and deletes parents of finished sweeps.
+//!
+//! May not: talk to VMs except through [`shoal_host::HostAgent`], or to the
+//! database except through [`shoal_store::Store`]. The store decides which
+//! cell runs and what an outcome does to it (retries, cancel, fencing); the
+//! runner only reports what happened under the claim it holds.
+//!
+//! # One attempt
+//!
+//! 1. Claimed: the cell is `running` under a fresh claim id and a lease.
+//! 2. A sandbox: a restore of the template, or a fork of the sweep's parent
+//!    (`fork_from`), admitted like any create (host slot first, then the
+//!    account's quota) with metadata `sweep=<id>`. A refusal (host full,
+//!    memory short, quota) or a lost sandbox gives the claim back uncounted
+//!    and backs the runner off: the fleet, not the command, failed.
+//! 3. `workdir` made, `files` written, the command run with `{cell}`
+//!    replaced, the sweep's and Slurm's environment and the timeout; the
+//!    lease is renewed every third of its length meanwhile, and a renewal
+//!    that finds the claim lost or the cell cancelled stops the attempt.
+//! 4. `collect` globs read back, usage read, the sandbox deleted, always;
+//!    then the outcome is recorded with the claim id (a lost claim records
+//!    nothing).
+
+use crate::{now, ControlPlane};
+use base64::Engine as _;
+use serde_json::{json, Value};
+use shoal_host::{HostError, Source};
+use shoal_proto::client::{AgentClient, AgentError, ExecEvent, ExecRequest};
+use shoal_proto::ErrorKind;
+use shoal_store::{
+    Account, CellEnd, CellOutcome, CellState, Claim, NewSandbox, Renewal, StoreError, SweepRow,
+    SweepState,
+};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{watch, Notify, OnceCell};
+
+/// Settings of the runner.
+#[derive(Debug, Clone)]
+pub struct RunnerConfig {
+    /// Whether `start_background` starts the runner at all.
+    pub enabled: bool,
+    /// Attempts this control plane runs at once, over all sweeps (each
+    /// sweep's throttle applies as well).
+    pub max_running: usize,
+    /// How often the runner looks for cells when nothing woke it.
+    pub poll: Duration,
+    /// A claim's lease; renewed every third of it.
+    pub lease: Duration,
+    /// How often leases are expired, held sweeps decided and parents of
+    /// finished sweeps deleted.
+    pub housekeeping: Duration,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        RunnerConfig {
+            enabled: true,
+            max_running: 32,
+            poll: Duration::from_millis(300),
+            lease: Duration::from_secs(30),
+            housekeeping: Duration::from_secs(2),
+        }
+    }
+}
+
+/// stdout and stderr are each kept up to this much (the end).
+pub const MAX_OUTPUT: usize = 1 << 20;
+/// One collected file at most.
+pub const MAX_COLLECT_FILE: u64 = 8 << 20;
+/// All of a cell's collected files at most.
+pub const MAX_COLLECT_TOTAL: u64 = 32 << 20;
+/// Working directory when the sweep names none.
+pub const DEFAULT_WORKDIR: &str = "/root";
+/// Added to the timeout for a sandbox's hard lifetime: create and collect.
+const LIFETIME_MARGIN_SECONDS: u64 = 300;
+/// How long the host waits past the guest's own timeout before it gives the
+/// command up (a guest too wedged to report its timeout).
+const HOST_TIMEOUT_MARGIN: Duration = Duration::from_secs(30);
+/// Backoff after a refusal: first, and most.
+const BACKOFF_MIN: Duration = Duration::from_millis(250);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Times this runner gives a cell back for a lost sandbox before it counts
+/// the loss as a failed attempt (a command that kills its VM every time).
+const MAX_LOSSES: u32 = 3;
+/// `error` carries at most this much of a failed setup's output.
+const SETUP_OUTPUT: usize = 4096;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// What one control plane's runner holds in memory. Nothing here is needed
+/// after a crash: the database has the claims, and a restart gives back
+/// those this runner held ([`shoal_store::Store::release_runner_claims`]).
+#[derive(Default)]
+pub struct Runner {
+    wake: Notify,
+    in_flight: AtomicUsize,
+    /// Attempts running here, by claim id: how a cancel reaches them.
+    running: Mutex<HashMap<String, watch::Sender<bool>>>,
+    /// `fork_from` parents by sweep id.
+    parents: Mutex<HashMap<String, Arc<Parent>>>,
+    /// What a sweep's attempts need, by sweep id.
+    sweeps: Mutex<HashMap<String, Arc<SweepInfo>>>,
+    /// No claims before this instant (after a refusal), and the last delay.
+    backoff: Mutex<Option<(Instant, Duration)>>,
+    /// Sandboxes lost per claimed cell, by "sweep/idx".
+    losses: Mutex<HashMap<String, u32>>,
+}
+
+/// A sweep as its attempts use it, read once.
+struct SweepInfo {
+    row: SweepRow,
+    account: Account,
+    /// The array figures of Slurm's environment.
+    array: shoal_slurm::ArraySpec,
+    /// Whether every cell value is an integer (then it is the task id).
+    integer_cells: bool,
+    files: Vec<(String, Vec<u8>)>,
+    vcpus: u32,
+    memory_mib: u32,
+}
+
+/// The set-up sandbox of a `fork_from` sweep, made once by the first
+/// attempt that needs it.
+#[derive(Default)]
+struct Parent {
+    state: OnceCell<ParentState>,
+    /// Held while forking, and while deleting (never both).
+    fork_lock: tokio::sync::Mutex<()>,
+}
+
+#[derive(Clone)]
+enum ParentState {
+    Ready(String),
+    /// The setup failed: every cell fails with this as its error.
+    SetupFailed(String),
+}
+
+/// Why an attempt stopped before its command could run.
+enum Refusal {
+    /// The fleet said no for now (capacity, memory, quota): give the claim
+    /// back and back off.
+    Retry(String),
+    /// The attempt failed for good (the retries of the sweep apply).
+    Fail(String),
+}
+
+/// Milliseconds of each phase of an attempt.
+#[derive(Default, Clone, Copy)]
+struct Timings {
+    create: u64,
+    exec: u64,
+    run: u64,
+    collect: u64,
+    delete: u64,
+}
+
+impl Timings {
+    fn json(&self) -> Value {
+        json!({
+            "create": self.create,
+            "exec": self.exec,
+            "run": self.run,
+            "collect": self.collect,
+            "delete": self.delete,
+        })
+    }
+}
+
+fn ms(since: Instant) -> u64 {
+    since.elapsed().as_millis() as u64
+}
+
+impl Runner {
+    /// Makes the runner look for cells now (a new sweep, a requeue, a
+    /// raised throttle, a finished attempt).
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Stops the attempts of `claims` that run here: their sandboxes are
+    /// deleted and the cells recorded as their claims' end says (the store
+    /// makes a cancelled cell `cancelled`). Claims held by other control
+    /// planes learn it at their next renewal.
+    pub fn cancel(&self, claims: &[Claim]) {
+        let running = self.running.lock().unwrap();
+        for claim in claims {
+            if let Some(cancel) = running.get(&claim.claim_id) {
+                let _ = cancel.send(true);
+            }
+        }
+    }
+
+    fn backing_off(&self) -> bool {
+        matches!(*self.backoff.lock().unwrap(), Some((until, _)) if Instant::now() < until)
+    }
+
+    fn back_off(&self) {
+        let mut backoff = self.backoff.lock().unwrap();
+        let delay = match *backoff {
+            Some((_, last)) => (last * 2).min(BACKOFF_MAX),
+            None => BACKOFF_MIN,
+        };
+        *backoff = Some((Instant::now() + delay, delay));
+    }
+
+    fn clear_backoff(&self) {
+        *self.backoff.lock().unwrap() = None;
+    }
+}
+
+/// Starts the runner and its housekeeping. First gives back the claims a
+/// previous life of this control plane held: their sandboxes did not
+/// survive it.
+pub async fn spawn(cp: Arc<ControlPlane>) -> Result<(), StoreError> {
+    let released = cp
+        .store
+        .release_runner_claims(&cp.config.host_name, now())
+        .await?;
+    if released > 0 {
+        tracing::info!(
+            released,
+            "gave back the claims of this control plane's previous run"
+        );
+    }
+    let keeper = cp.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(keeper.config.sweeps.housekeeping);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            housekeeping(&keeper).await;
+        }
+    });
+    tokio::spawn(claim_loop(cp));
+    Ok(())
+}
+
+async fn claim_loop(cp: Arc<ControlPlane>) {
+    let config = cp.config.sweeps.clone();
+    let runner = &cp.runner;
+    loop {
+        let room = config
+            .max_running
+            .saturating_sub(runner.in_flight.load(Ordering::SeqCst));
+        if room > 0 && !runner.backing_off() {
+            let claimed = cp
+                .store
+                .claim_cells(&cp.config.host_name, None, room as u32, config.lease, now())
+                .await;
+            match claimed {
+                Ok(claims) => {
+                    for claim in claims {
+                        runner.in_flight.fetch_add(1, Ordering::SeqCst);
+                        let cp = cp.clone();
+                        tokio::spawn(async move {
+                            attempt(&cp, claim).await;
+                            cp.runner.in_flight.fetch_sub(1, Ordering::SeqCst);
+                            cp.runner.wake();
+                        });
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "claiming sweep cells"),
+            }
+        }
+        let _ = tokio::time::timeout(config.poll, runner.wake.notified()).await;
+    }
+}
+
+/// Expires leases, decides held sweeps, deletes the parents of finished
+/// sweeps and forgets what this runner cached of them.
+async fn housekeeping(cp: &Arc<ControlPlane>) {
+    match cp.store.expire_leases(now()).await {
+        Ok(0) => {}
+        Ok(n) => {
+            tracing::info!(cells = n, "took back cells whose lease expired");
+            cp.runner.wake();
+        }
+        Err(e) => tracing::warn!(error = %e, "expiring sweep leases"),
+    }
+    match cp.store.resolve_held(now()).await {
+        Ok(resolved) => {
+            for id in &resolved.cancelled {
+                tracing::info!(sweep = id, "a dependency failed: sweep cancelled");
+            }
+            if !resolved.activated.is_empty() {
+                cp.runner.wake();
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "deciding held sweeps"),
+    }
+    let known: Vec<String> = {
+        let parents = cp.runner.parents.lock().unwrap();
+        let sweeps = cp.runner.sweeps.lock().unwrap();
+        let mut ids: Vec<String> = parents.keys().chain(sweeps.keys()).cloned().collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    };
+    for id in known {
+        let finished = match cp.store.sweep_by_id(&id).await {
+            Ok(Some(row)) => row.finished_at.is_some() || row.state == SweepState::Cancelled,
+            Ok(None) => true,
+            Err(_) => false,
+        };
+        if !finished {
+            continue;
+        }
+        cp.runner.sweeps.lock().unwrap().remove(&id);
+        let parent = cp.runner.parents.lock().unwrap().remove(&id);
+        if let Some(parent) = parent {
+            let _forks_done = parent.fork_lock.lock().await;
+            if let Some(ParentState::Ready(sandbox)) = parent.state.get() {
+                tracing::info!(
+                    sweep = id,
+                    sandbox,
+                    "sweep finished: deleting its fork parent"
+                );
+                if let Err(e) = cp.destroy(sandbox).await {
+                    tracing::warn!(sandbox, error = e.message, "deleting a fork parent");
+                }
+            }
+        }
+    }
+}
+
+/// What the attempts of `sweep_id` need, read once and cached.
+async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>, String> {
+    if let Some(info) = cp.runner.sweeps.lock().unwrap().get(sweep_id) {
+        return Ok(info.clone());
+    }
+    let row = cp
+        .store
+        .sweep_by_id(sweep_id)
+        .await
+        .map_err(|e| format!("reading the sweep: {e}"))?
+        .ok_or("the sweep is gone")?;
+    let account = cp
+        .store
+        .account_by_id(row.account_id)
+        .await
+        .map_err(|e| format!("reading the account: {e}"))?
+        .ok_or("the sweep's account is gone")?;
+    let manifest = cp
+        .host
+        .engine()
+        .template(&row.template)
+        .map_err(|e| format!("template {}: {e}", row.template))?;
+    let numbers: Option<Vec<u32>> = row.cells.iter().map(|v| v.parse::<u32>().ok()).collect();
+    let integer_cells = numbers.is_some();
+    let mut task_ids = numbers.unwrap_or_else(|| (0..row.cells.len() as u32).collect());
+    task_ids.sort_unstable();
+    task_ids.dedup();
+    let array = shoal_slurm::ArraySpec {
+        task_ids,
+        throttle: Some(row.throttle),
+    };
+    let mut files = Vec::new();
+    for (path, content) in &row.files {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(content)
+            .map_err(|e| format!("file {path}: {e}"))?;
+        files.push((path.clone(), bytes));
+    }
+    let info = Arc::new(SweepInfo {
+        row,
+        account,
+        array,
+        integer_cells,
+        files,
+        vcpus: manifest.vcpus,
+        memory_mib: manifest.memory_mib,
+    });
+    cp.runner
+        .sweeps
+        .lock()
+        .unwrap()
+        .insert(sweep_id.to_owned(), info.clone());
+    Ok(info)
+}
+
+/// One attempt at a claimed cell, start to end. Never returns early without
+/// either recording an outcome or giving the claim back (unless the claim
+/// was lost, when nothing may be recorded).
+async fn attempt(cp: &Arc<ControlPlane>, claim: Claim) {
+    let (cancel_tx, cancel_rx) = watch::channel(false);
+    cp.runner
+        .running
+        .lock()
+        .unwrap()
+        .insert(claim.claim_id.clone(), cancel_tx);
+    let info = match sweep_info(cp, &claim.sweep_id).await {
+        Ok(info) => info,
+        Err(error) => {
+            let outcome = CellOutcome {
+                error: Some(error),
+                ..CellOutcome::new(CellEnd::Failed, now())
+            };
+            finish(cp, &claim, &outcome).await;
+            cp.runner.running.lock().unwrap().remove(&claim.claim_id);
+            return;
+        }
+    };
+    run_attempt(cp, &info, &claim, cancel_rx).await;
+    cp.runner.running.lock().unwrap().remove(&claim.claim_id);
+}
+
+async fn finish(cp: &ControlPlane, claim: &Claim, outcome: &CellOutcome) {
+    match cp
+        .store
+        .finish_cell(&claim.sweep_id, claim.idx, &claim.claim_id, outcome)
+        .await
+    {
+        Ok(Some(CellState::Pending)) => cp.runner.wake(),
+        Ok(Some(_)) => {}
+        Ok(None) => tracing::info!(
+            sweep = claim.sweep_id,
+            cell = claim.idx,
+            "the claim was lost: the outcome is not recorded"
+        ),
+        Err(e) => {
+            tracing::warn!(sweep = claim.sweep_id, cell = claim.idx, error = %e, "recording a cell")
+        }
+    }
+}
+
+async fn release(cp: &ControlPlane, claim: &Claim, why: &str) {
+    tracing::info!(
+        sweep = claim.sweep_id,
+        cell = claim.idx,
+        why,
+        "giving a cell back"
+    );
+    if let Err(e) = cp
+        .store
+        .release_cell(&claim.sweep_id, claim.idx, &claim.claim_id, now())
+        .await
+    {
+        tracing::warn!(sweep = claim.sweep_id, cell = claim.idx, error = %e, "giving a cell back");
+    }
+    cp.runner.back_off();
+}
+
+/// How the command of an attempt ended.
+enum Ran {
+    Exited(shoal_proto::client::ExitStatus),
+    /// The host gave up waiting past the timeout.
+    HostTimeout,
+    /// Cancelled (by this control plane, or learnt from a renewal).
+    Cancelled,
+    /// The claim was lost: stop and record nothing.
+    Lost,
+    /// The sandbox went away under the command.
+    SandboxLost(String),
+    /// The command could not be started.
+    Failed(String),
+}
+
+async fn run_attempt(
+    cp: &Arc<ControlPlane>,
+    info: &SweepInfo,
+    claim: &Claim,
+    mut cancel: watch::Receiver<bool>,
+) {
+    let sweep = &info.row;
+    let mut timings = Timings::default();
+    let started = Instant::now();
+    let sandbox = match make_sandbox(cp, info, claim).await {
+        Ok(sandbox) => sandbox,
+        Err(Refusal::Retry(why)) => return release(cp, claim, &why).await,
+        Err(Refusal::Fail(error)) => {
+            let outcome = CellOutcome {
+                error: Some(error),
+                ..CellOutcome::new(CellEnd::Failed, now())
+            };
+            return finish(cp, claim, &outcome).await;
+        }
+    };
+    cp.runner.clear_backoff();
+    timings.create = ms(started);
+    // From here on the sandbox exists: whatever happens, it is deleted.
+    let guard = SandboxGuard {
+        cp: cp.clone(),
+        id: Some(sandbox.clone()),
+    };
+
+    let phase = Instant::now();
+    let timeout = Duration::from_secs(sweep.timeout_seconds);
+    let mut stdout = Tail::default();
+    let mut stderr = Tail::default();
+    let mut run_started = None;
+    let ran = match cp.host.engine().agent(&sandbox).await {
+        Err(e) => Ran::SandboxLost(format!("guest agent: {e}")),
+        Ok(agent) => {
+            let forked = sweep.fork_from.is_some();
+            match prepare(&agent, info, forked).await {
+                Err(e) => classify_agent_error("preparing the sandbox", e),
+                Ok(()) => {
+                    let request = ExecRequest {
+                        cmd: sweep.command.replace("{cell}", &claim.value),
+                        env: cell_environment(info, claim, &sandbox),
+                        cwd: Some(workdir(sweep).to_owned()),
+                        timeout: Some(timeout),
+                        ..ExecRequest::default()
+                    };
+                    match agent.exec(request).await {
+                        Err(e) => classify_agent_error("starting the command", e),
+                        Ok(mut handle) => {
+                            timings.exec = ms(phase);
+                            run_started = Some(Instant::now());
+                            let deadline =
+                                tokio::time::Instant::now() + timeout + HOST_TIMEOUT_MARGIN;
+                            let mut renew = tokio::time::interval_at(
+                                tokio::time::Instant::now() + cp.config.sweeps.lease / 3,
+                                cp.config.sweeps.lease / 3,
+                            );
+                            loop {
+                                tokio::select! {
+                                    event = handle.next_event() => match event {
+                                        Ok(ExecEvent::Stdout(bytes)) => stdout.push(&bytes),
+                                        Ok(ExecEvent::Stderr(bytes)) => stderr.push(&bytes),
+                                        Ok(ExecEvent::Exit(status)) => break Ran::Exited(status),
+                                        Err(e) => break classify_agent_error("running the command", e),
+                                    },
+                                    _ = renew.tick() => {
+                                        match cp.store.renew_lease(&claim.sweep_id, claim.idx, &claim.claim_id, cp.config.sweeps.lease, now()).await {
+                                            Ok(Renewal::Renewed) => {}
+                                            Ok(Renewal::Cancelled) => break Ran::Cancelled,
+                                            Ok(Renewal::Lost) => break Ran::Lost,
+                                            // The database is away: keep running, the
+                                            // next renewal may get through before the
+                                            // lease ends.
+                                            Err(e) => tracing::warn!(error = %e, "renewing a lease"),
+                                        }
+                                    }
+                                    changed = cancel.changed() => {
+                                        if changed.is_ok() && *cancel.borrow() {
+                                            break Ran::Cancelled;
+                                        }
+                                    }
+                                    _ = tokio::time::sleep_until(deadline) => break Ran::HostTimeout,
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    if let Some(at) = run_started {
+        timings.run = ms(at);
+    }
+
+    // Collect whatever the outcome, unless the attempt is void.
+    let phase = Instant::now();
+    let collect = matches!(ran, Ran::Exited(_) | Ran::HostTimeout) && !sweep.collect.is_empty();
+    let (collected, collect_note) = if collect {
+        match cp.host.engine().agent(&sandbox).await {
+            Ok(agent) => collect_files(&agent, &sweep.collect).await,
+            Err(e) => (BTreeMap::new(), Some(format!("collect: guest agent: {e}"))),
+        }
+    } else {
+        (BTreeMap::new(), None)
+    };
+    timings.collect = ms(phase);
+
+    // Usage, then the sandbox goes.
+    let phase = Instant::now();
+    let (cpu_seconds, gib_seconds) = usage(cp, &sandbox).await;
+    guard.delete().await;
+    timings.delete = ms(phase);
+
+    let mut outcome = CellOutcome::new(CellEnd::Failed, now());
+    outcome.sandbox_id = Some(sandbox.clone());
+    outcome.cpu_seconds = cpu_seconds;
+    outcome.gib_seconds = gib_seconds;
+    outcome.timings = Some(timings.json());
+    outcome.output_truncated = stdout.truncated || stderr.truncated;
+    outcome.stdout_tail = Some(stdout.text());
+    outcome.stderr_tail = Some(stderr.text());
+    outcome.elapsed_ms = Some(timings.run);
+    match ran {
+        Ran::Exited(status) => {
+            outcome.elapsed_ms = Some(status.duration_ms);
+            outcome.signal = status.signal;
+            if status.timed_out {
+                outcome.end = CellEnd::Timeout;
+                outcome.error = Some(format!("timeout after {}s", sweep.timeout_seconds));
+            } else {
+                outcome.exit_code = Some(
+                    status
+                        .code
+                        .unwrap_or_else(|| 128 + status.signal.unwrap_or(0)),
+                );
+                outcome.end = if status.success() {
+                    CellEnd::Succeeded
+                } else {
+                    CellEnd::Failed
+                };
+            }
+        }
+        Ran::HostTimeout => {
+            outcome.end = CellEnd::Timeout;
+            outcome.error = Some(format!(
+                "timeout after {}s (the guest did not answer)",
+                sweep.timeout_seconds
+            ));
+        }
+        Ran::Cancelled => {
+            outcome.end = CellEnd::Cancelled;
+            outcome.error = Some("cancelled".to_owned());
+        }
+        Ran::Lost => {
+            tracing::info!(
+                sweep = claim.sweep_id,
+                cell = claim.idx,
+                "lease lost: the attempt is void"
+            );
+            return;
+        }
+        Ran::SandboxLost(why) => {
+            let key = format!("{}/{}", claim.sweep_id, claim.idx);
+            let losses = {
+                let mut losses = cp.runner.losses.lock().unwrap();
+                let n = losses.entry(key.clone()).or_default();
+                *n += 1;
+                *n
+            };
+            if losses <= MAX_LOSSES {
+                return release(cp, claim, &format!("sandbox lost: {why}")).await;
+            }
+            cp.runner.losses.lock().unwrap().remove(&key);
+            outcome.error = Some(format!("sandbox lost {losses} times: {why}"));
+        }
+        Ran::Failed(why) => outcome.error = Some(why),
+    }
+    if outcome.error.is_none() {
+        outcome.error = collect_note;
+    }
+    if !collected.is_empty() {
+        outcome.collected = Some(json!(collected));
+    }
+    finish(cp, claim, &outcome).await;
+}
+
+/// Deletes the sandbox of an attempt when dropped, if [`SandboxGuard::delete`]
+/// did not: the sandbox goes even if the attempt's task ends abruptly.
+struct SandboxGuard {
+    cp: Arc<ControlPlane>,
+    id: Option<String>,
+}
+
+impl SandboxGuard {
+    async fn delete(mut self) {
+        if let Some(id) = self.id.take() {
+            destroy(&self.cp, &id).await;
+        }
+    }
+}
+
+impl Drop for SandboxGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let cp = self.cp.clone();
+            tokio::spawn(async move { destroy(&cp, &id).await });
+        }
+    }
+}
+
+async fn destroy(cp: &ControlPlane, id: &str) {
+    if let Err(e) = cp.destroy(id).await {
+        tracing::warn!(
+            sandbox = id,
+            error = e.message,
+            "deleting a sweep's sandbox"
+        );
+    }
+}
+
+/// CPU-seconds of the VM so far, and its memory (Pss) times its age.
+async fn usage(cp: &ControlPlane, sandbox: &str) -> (f64, f64) {
+    let Ok(Some(usage)) = cp.host.engine().usage(sandbox) else {
+        return (0.0, 0.0);
+    };
+    let created = cp
+        .store
+        .sandbox_by_id(sandbox)
+        .await
+        .ok()
+        .flatten()
+        .map_or_else(now, |row| row.created_at);
+    let age = (now() - created).max(0.0);
+    (usage.cpu_seconds, usage.pss_bytes as f64 / GIB * age)
+}
+
+fn workdir(sweep: &SweepRow) -> &str {
+    sweep.workdir.as_deref().unwrap_or(DEFAULT_WORKDIR)
+}
+
+/// Makes the working directory and writes the sweep's files (a fork child
+/// has them from its parent already).
+async fn prepare(agent: &AgentClient, info: &SweepInfo, forked: bool) -> Result<(), AgentError> {
+    if forked {
+        return Ok(());
+    }
+    agent.make_dir(workdir(&info.row)).await?;
+    for (path, bytes) in &info.files {
+        agent.write_file(path, None, &bytes[..]).await?;
+    }
+    Ok(())
+}
+
+/// A guest's own refusal fails the attempt; a broken channel means the
+/// sandbox is gone.
+fn classify_agent_error(what: &str, e: AgentError) -> Ran {
+    match e {
+        AgentError::Guest { .. } => Ran::Failed(format!("{what}: {e}")),
+        other => Ran::SandboxLost(format!("{what}: {other}")),
+    }
+}
+
+/// The environment of one cell's command: the sweep's `env`, then Shoal's
+/// and Slurm's variables over it.
+fn cell_environment(info: &SweepInfo, claim: &Claim, sandbox: &str) -> BTreeMap<String, String> {
+    let sweep = &info.row;
+    let slurm = sweep.slurm.clone().unwrap_or(Value::Null);
+    let text = |key: &str| slurm.get(key).and_then(Value::as_str).map(str::to_owned);
+    let number = |key: &str| slurm.get(key).and_then(Value::as_u64);
+    let task_id = if info.integer_cells {
+        claim.value.parse().unwrap_or(claim.idx)
+    } else {
+        claim.idx
+    };
+    let task = shoal_slurm::TaskDescription {
+        job_id: sweep.job_id + u64::from(claim.idx),
+        array: Some(shoal_slurm::ArrayTask::new(
+            sweep.job_id,
+            task_id,
+            &info.array,
+        )),
+        job_name: text("job_name").unwrap_or_else(|| sweep.name.clone()),
+        user: text("user").unwrap_or_else(|| info.account.name.clone()),
+        partition: text("partition"),
+        account: text("account"),
+        cpus_per_task: number("cpus_per_task").map(|n| n as u32),
+        cpus: info.vcpus,
+        mem_per_node_mib: number("mem_mib"),
+        mem_per_cpu_mib: number("mem_per_cpu_mib"),
+        submit_dir: text("submit_dir").unwrap_or_else(|| workdir(sweep).to_owned()),
+        submit_host: text("submit_host").unwrap_or_else(|| "shoal".to_owned()),
+        node_name: sandbox.to_owned(),
+        cluster_name: text("cluster_name").unwrap_or_else(|| "shoal".to_owned()),
+        restart_count: claim.attempt.saturating_sub(1),
+    };
+    let mut env = sweep.env.clone();
+    env.extend(shoal_slurm::task_environment(&task));
+    env.insert("SHOAL_SWEEP_ID".into(), sweep.id.clone());
+    env.insert("SHOAL_JOB_ID".into(), sweep.job_id.to_string());
+    env.insert("SHOAL_CELL".into(), claim.value.clone());
+    env.insert("SHOAL_CELL_INDEX".into(), claim.idx.to_string());
+    env
+}
+
+/// Admits and makes the sandbox of an attempt: a restore of the template,
+/// or a fork of the sweep's parent.
+async fn make_sandbox(
+    cp: &Arc<ControlPlane>,
+    info: &SweepInfo,
+    claim: &Claim,
+) -> Result<String, Refusal> {
+    let sweep = &info.row;
+    let mut metadata = shoal_store::Metadata::new();
+    metadata.insert("sweep".into(), sweep.id.clone());
+    metadata.insert("sweep_cell".into(), claim.idx.to_string());
+    let (parent, parent_id) = match &sweep.fork_from {
+        Some(_) => match parent_of(cp, info).await? {
+            (parent, ParentState::Ready(id)) => (Some(parent), Some(id)),
+            (_, ParentState::SetupFailed(error)) => return Err(Refusal::Fail(error)),
+        },
+        None => (None, None),
+    };
+    let slot = cp.host.reserve(1).await.map_err(refusal)?;
+    let lifetime = sweep.timeout_seconds + LIFETIME_MARGIN_SECONDS;
+    let new = NewSandbox {
+        id: crate::sandboxes::new_id(),
+        template: sweep.template.clone(),
+        cpu: info.vcpus,
+        memory_mb: info.memory_mib,
+        metadata,
+        ttl_seconds: lifetime,
+        persistent: false,
+        max_lifetime_seconds: Some(lifetime),
+        from_snapshot: None,
+        parent_id: parent_id.clone(),
+        tree_id: None,
+    };
+    let mut row = cp
+        .store
+        .admit_sandbox(&info.account, &new, &cp.limits(info.account.tier), now())
+        .await
+        .map_err(|e| match e {
+            StoreError::Quota { message } => Refusal::Retry(format!("quota: {message}")),
+            other => Refusal::Retry(format!("database: {other}")),
+        })?;
+    let made = match (&parent, &parent_id) {
+        (Some(parent), Some(parent_id)) => {
+            // One fork of a parent at a time; and none while it is deleted.
+            let _forking = parent.fork_lock.lock().await;
+            cp.host
+                .fork(&slot, parent_id, vec![row.id.clone()])
+                .await
+                .map(|mut fork| (fork.children.remove(0), "fork"))
+        }
+        _ => cp
+            .host
+            .create(&slot, &row.id, &Source::Template(sweep.template.clone()))
+            .await
+            .map(|info| (info, "restore")),
+    };
+    match made {
+        Ok((made, mode)) => {
+            if let Err(e) = cp.came_up(&mut row, &made, mode).await {
+                destroy(cp, &row.id).await;
+                return Err(Refusal::Retry(format!(
+                    "recording the sandbox: {}",
+                    e.message
+                )));
+            }
+            Ok(row.id)
+        }
+        Err(e) => {
+            cp.mark_failed(&row.id).await;
+            let _ = cp.host.kill(&row.id).await;
+            if parent.is_some()
+                && matches!(
+                    &e,
+                    HostError::Engine(shoal_host::EngineError::NoSuchSandbox(_))
+                )
+            {
+                // The parent itself is gone: make a new one next time.
+                cp.runner.parents.lock().unwrap().remove(&sweep.id);
+                return Err(Refusal::Retry(format!("fork parent lost: {e}")));
+            }
+            Err(refusal(e))
+        }
+    }
+}
+
+/// Host refusals are for later; anything else fails the attempt.
+fn refusal(e: HostError) -> Refusal {
+    match e {
+        HostError::Full | HostError::MemoryShort { .. } => Refusal::Retry(e.to_string()),
+        other => Refusal::Fail(format!(
+            "creating the sandbox: {}",
+            crate::error::ApiError::from(other).message
+        )),
+    }
+}
+
+/// The sweep's `fork_from` parent, made (and set up) by the first caller.
+async fn parent_of(
+    cp: &Arc<ControlPlane>,
+    info: &SweepInfo,
+) -> Result<(Arc<Parent>, ParentState), Refusal> {
+    let parent = cp
+        .runner
+        .parents
+        .lock()
+        .unwrap()
+        .entry(info.row.id.clone())
+        .or_default()
+        .clone();
+    let state = parent
+        .state
+        .get_or_try_init(|| make_parent(cp, info))
+        .await?
+        .clone();
+    Ok((parent, state))
+}
+
+async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentState, Refusal> {
+    let sweep = &info.row;
+    let fork_from = sweep.fork_from.clone().unwrap_or(Value::Null);
+    let setup = fork_from
+        .get("setup")
+        .and_then(Value::as_str)
+        .unwrap_or("true")
+        .to_owned();
+    let timeout = fork_from
+        .get("timeout_seconds")
+        .and_then(Value::as_u64)
+        .unwrap_or(sweep.timeout_seconds);
+    let slot = cp.host.reserve(1).await.map_err(refusal)?;
+    let mut metadata = shoal_store::Metadata::new();
+    metadata.insert("sweep".into(), sweep.id.clone());
+    metadata.insert("sweep_role".into(), "parent".into());
+    let new = NewSandbox {
+        id: crate::sandboxes::new_id(),
+        template: sweep.template.clone(),
+        cpu: info.vcpus,
+        memory_mb: info.memory_mib,
+        metadata,
+        // Deleted by the runner when the sweep ends; a crash leaves it to
+        // the restart's reconciliation.
+        ttl_seconds: 7 * 86400,
+        persistent: false,
+        max_lifetime_seconds: None,
+        from_snapshot: None,
+        parent_id: None,
+        tree_id: None,
+    };
+    let mut row = cp
+        .store
+        .admit_sandbox(&info.account, &new, &cp.limits(info.account.tier), now())
+        .await
+        .map_err(|e| Refusal::Retry(format!("fork parent: {e}")))?;
+    let made = match cp
+        .host
+        .create(&slot, &row.id, &Source::Template(sweep.template.clone()))
+        .await
+    {
+        Ok(made) => made,
+        Err(e) => {
+            cp.mark_failed(&row.id).await;
+            let _ = cp.host.kill(&row.id).await;
+            return Err(refusal(e));
+        }
+    };
+    drop(slot);
+    if let Err(e) = cp.came_up(&mut row, &made, "restore").await {
+        destroy(cp, &row.id).await;
+        return Err(Refusal::Retry(format!(
+            "recording the fork parent: {}",
+            e.message
+        )));
+    }
+    let failed = |why: String| ParentState::SetupFailed(why);
+    let outcome = async {
+        let agent = cp
+            .host
+            .engine()
+            .agent(&row.id)
+            .await
+            .map_err(|e| e.to_string())?;
+        prepare(&agent, info, false)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut env = sweep.env.clone();
+        env.insert("SHOAL_SWEEP_ID".into(), sweep.id.clone());
+        env.insert("SHOAL_JOB_ID".into(), sweep.job_id.to_string());
+        let request = ExecRequest {
+            cmd: setup,
+            env,
+            cwd: Some(workdir(sweep).to_owned()),
+            timeout: Some(Duration::from_secs(timeout)),
+            ..ExecRequest::default()
+        };
+        let output = agent
+            .exec_collect(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(output)
+    }
+    .await;
+    let state = match outcome {
+        Ok(output) if output.status.success() => {
+            tracing::info!(sweep = sweep.id, parent = row.id, "fork parent set up");
+            ParentState::Ready(row.id.clone())
+        }
+        Ok(output) => {
+            let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+            text.push_str(&String::from_utf8_lossy(&output.stderr));
+            let how = if output.status.timed_out {
+                format!("timed out after {timeout}s")
+            } else {
+                format!(
+                    "exited with {}",
+                    output
+                        .status
+                        .code
+                        .unwrap_or_else(|| 128 + output.status.signal.unwrap_or(0))
+                )
+            };
+            failed(format!(
+                "fork_from setup {how}: {}",
+                tail_text(&text, SETUP_OUTPUT)
+            ))
+        }
+        Err(e) => failed(format!("fork_from setup: {e}")),
+    };
+    if let ParentState::SetupFailed(_) = &state {
+        destroy(cp, &row.id).await;
+    }
+    Ok(state)
+}
+
+/// The last `max` bytes of `text`, on a character boundary.
+fn tail_text(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
+/// The end of a stream, at most [`MAX_OUTPUT`] bytes.
+#[derive(Default)]
+struct Tail {
+    bytes: std::collections::VecDeque<u8>,
+    truncated: bool,
+}
+
+impl Tail {
+    fn push(&mut self, chunk: &[u8]) {
+        self.bytes.extend(chunk);
+        if self.bytes.len() > MAX_OUTPUT {
+            let cut = self.bytes.len() - MAX_OUTPUT;
+            self.bytes.drain(..cut);
+            self.truncated = true;
+        }
+    }
+
+    /// As text; a character cut at the start becomes U+FFFD.
+    fn text(&self) -> String {
+        let (a, b) = self.bytes.as_slices();
+        let mut all = Vec::with_capacity(a.len() + b.len());
+        all.extend_from_slice(a);
+        all.extend_from_slice(b);
+        String::from_utf8_lossy(&all).into_owned()
+    }
+}
+
+/// Reads back the paths of `patterns` (globs allowed) within the limits.
+/// Returns path -> base64, and a note of what was left out.
+async fn collect_files(
+    agent: &AgentClient,
+    patterns: &[String],
+) -> (BTreeMap<String, String>, Option<String>) {
+    let mut collected = BTreeMap::new();
+    let mut notes = Vec::new();
+    let mut total = 0u64;
+    for pattern in patterns {
+        let paths = match expand(agent, pattern).await {
+            Ok(paths) => paths,
+            Err(e) => {
+                notes.push(format!("{pattern}: {e}"));
+                continue;
+            }
+        };
+        for (path, size) in paths {
+            if collected.contains_key(&path) {
+                continue;
+            }
+            if size > MAX_COLLECT_FILE {
+                notes.push(format!(
+                    "{path}: larger than {MAX_COLLECT_FILE} bytes, not collected"
+                ));
+                continue;
+            }
+            if total + size > MAX_COLLECT_TOTAL {
+                notes.push(format!(
+                    "{path}: past {MAX_COLLECT_TOTAL} bytes in all, not collected"
+                ));
+                continue;
+            }
+            match agent.read_file_to_vec(&path).await {
+                Ok(bytes) => {
+                    total += bytes.len() as u64;
+                    collected.insert(
+                        path,
+                        base64::engine::general_purpose::STANDARD.encode(bytes),
+                    );
+                }
+                Err(e) => notes.push(format!("{path}: {e}")),
+            }
+        }
+    }
+    let note = (!notes.is_empty()).then(|| format!("collect: {}", notes.join("; ")));
+    (collected, note)
+}
+
+/// The regular files `pattern` names in the guest, with their sizes: a
+/// plain path as is (nothing if missing), a glob by listing the directories
+/// its components match, without running anything in the guest.
+async fn expand(agent: &AgentClient, pattern: &str) -> Result<Vec<(String, u64)>, String> {
+    let is_glob = |s: &str| s.contains(['*', '?', '[']);
+    let stat_file = |path: String| async move {
+        match agent.stat(&path).await {
+            Ok(stat) if !stat.is_dir => Ok(Some((path, stat.size))),
+            Ok(_) => Ok(None),
+            Err(e) if e.guest_kind() == Some(ErrorKind::NotFound) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    if !is_glob(pattern) {
+        return Ok(stat_file(pattern.to_owned()).await?.into_iter().collect());
+    }
+    let components: Vec<&str> = pattern.split('/').filter(|c| !c.is_empty()).collect();
+    // Directories matched so far, from the root.
+    let mut dirs = vec![String::new()];
+    for (n, component) in components.iter().enumerate() {
+        let last = n + 1 == components.len();
+        let mut next = Vec::new();
+        for dir in &dirs {
+            if !is_glob(component) {
+                next.push(format!("{dir}/{component}"));
+                continue;
+            }
+            let matcher = glob::Pattern::new(component).map_err(|e| e.to_string())?;
+            let listing = match agent.list_dir(if dir.is_empty() { "/" } else { dir }).await {
+                Ok(entries) => entries,
+                Err(e)
+                    if matches!(
+                        e.guest_kind(),
+                        Some(ErrorKind::NotFound | ErrorKind::NotADirectory)
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(e.to_string()),
+            };
+            for entry in listing {
+                if matcher.matches(&entry.name) && (last || entry.is_dir) {
+                    next.push(format!("{dir}/{}", entry.name));
+                }
+            }
+        }
+        dirs = next;
+    }
+    let mut files = Vec::new();
+    for path in dirs {
+        if let Some(file) = stat_file(path).await? {
+            files.push(file);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tails_keep_the_end() {
+        let mut tail = Tail::default();
+        tail.push(&vec![b'a'; MAX_OUTPUT]);
+        assert!(!tail.truncated);
+        tail.push(b"xyz");
+        assert!(tail.truncated);
+        let text = tail.text();
+        assert_eq!(text.len(), MAX_OUTPUT);
+        assert!(text.ends_with("axyz"));
+        assert_eq!(tail_text("héllo", 4), "llo");
+    }
+}
