@@ -1,0 +1,309 @@
+//! Durable sweeps survive the control plane: a real `shoal up` is killed
+//! with SIGKILL in the middle of a sweep, with cells finished, cells running
+//! and cells pending, and started again on the same database. The sweep
+//! must finish with every cell recorded exactly once: the cells finished
+//! before the kill keep their record untouched, the ones interrupted run
+//! again in a new sandbox, and no VM of either life is left behind. Nobody
+//! watches the sweep from the client side in between.
+//!
+//! Runs on SQLite and, when `SHOAL_TEST_DATABASE_URL` names a PostgreSQL
+//! server (`scripts/with-postgres`), on a fresh database there too. Each
+//! `shoal up` runs in its own process group and is stopped by its id.
+
+use serde_json::{json, Value};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CELLS: usize = 8;
+/// The two variants take turns: each needs the cores for its own timeline.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+const THROTTLE: usize = 2;
+
+struct Up {
+    child: Child,
+    base: String,
+}
+
+impl Up {
+    fn start(state: &Path, database_url: &str) -> Up {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--state-dir")
+            .arg(state)
+            .arg("--cache-dir")
+            .arg(shoal_testkit::cache_dir())
+            .arg("--guest-agent")
+            .arg(shoal_testkit::guest_agent())
+            .args(["--database-url", database_url])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("starting shoal up");
+        Up {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    fn signal(&mut self, signal: i32) {
+        // SAFETY: kill(2) on the process group of a child we spawned.
+        unsafe { libc_kill(-(self.child.id() as i32), signal) };
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.signal(15);
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+impl Client {
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("calling shoal up");
+        let status = response.status();
+        let value: Value = response.json().await.expect("a JSON answer");
+        assert!(status.is_success(), "{path}: {status} {value}");
+        value
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+}
+
+async fn wait_healthy(base: &str) {
+    let http = reqwest::Client::new();
+    let ready = shoal_testkit::wait_until(Duration::from_secs(300), || {
+        let http = http.clone();
+        async move {
+            http.get(format!("{base}/healthz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        }
+    })
+    .await;
+    assert!(ready, "shoal up did not answer /healthz");
+}
+
+fn token(database_url: &str, state: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["token", "create", "--account", "crash", "--tier", "team"])
+        .args(["--database-url", database_url])
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .lines()
+        .last()
+        .unwrap()
+        .to_owned()
+}
+
+/// The QEMU processes running out of `state`.
+fn vms_of(state: &Path) -> Vec<u32> {
+    shoal_testkit::processes_mentioning(&state.join("vms").display().to_string())
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+}
+
+async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::create_dir_all(&state).unwrap();
+    let mut up = Up::start(&state, database_url);
+    wait_healthy(&up.base).await;
+    let client = Client {
+        http: reqwest::Client::new(),
+        base: up.base.clone(),
+        token: token(database_url, &state),
+    };
+    let sweep = client
+        .call(
+            reqwest::Method::POST,
+            "/v1/sweeps",
+            Some(json!({
+                "name": "crash",
+                "template": "code-interpreter",
+                "command": "sleep 4; echo cell-{cell}-$SLURM_ARRAY_TASK_ID",
+                "cells": {"start": 0, "end": CELLS - 1},
+                "throttle": THROTTLE,
+                "timeout_seconds": 60,
+            })),
+        )
+        .await;
+    let id = sweep["id"].as_str().unwrap().to_owned();
+
+    // Kill in the middle: some cells done, the next ones running.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let before = loop {
+        let sweep = client.get(&format!("/v1/sweeps/{id}")).await;
+        let counts = &sweep["counts"];
+        if counts["succeeded"].as_u64().unwrap() >= 2 && counts["running"].as_u64().unwrap() >= 1 {
+            break client
+                .get(&format!("/v1/sweeps/{id}/cells?limit=100"))
+                .await;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sweep never got going: {sweep}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let orphans = vms_of(&state);
+    up.signal(9);
+    assert!(!orphans.is_empty(), "no VM was running at the kill");
+    assert!(
+        orphans.iter().any(|pid| alive(*pid)),
+        "the VMs died with the control plane; there is nothing to recover from"
+    );
+    let cells_before = before["cells"].as_array().unwrap().clone();
+    let done_before: Vec<&Value> = cells_before
+        .iter()
+        .filter(|c| c["state"] == "succeeded")
+        .collect();
+    let running_before: Vec<&Value> = cells_before
+        .iter()
+        .filter(|c| c["state"] == "running")
+        .collect();
+
+    // A new life on the same database and state directory.
+    let up = Up::start(&state, database_url);
+    wait_healthy(&up.base).await;
+    let client = Client {
+        base: up.base.clone(),
+        ..client
+    };
+    for pid in &orphans {
+        assert!(
+            !alive(*pid),
+            "QEMU {pid} of the killed control plane was not reaped"
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let sweep = loop {
+        let sweep = client.get(&format!("/v1/sweeps/{id}")).await;
+        if sweep["state"] == "done" {
+            break sweep;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sweep did not finish: {sweep}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(sweep["counts"]["succeeded"], CELLS, "{sweep}");
+    let after = client
+        .get(&format!("/v1/sweeps/{id}/cells?limit=100"))
+        .await;
+    let cells_after = after["cells"].as_array().unwrap();
+    assert_eq!(cells_after.len(), CELLS);
+    for cell in cells_after {
+        let index = cell["index"].as_u64().unwrap();
+        assert_eq!(cell["state"], "succeeded", "{cell}");
+        assert_eq!(
+            cell["stdout"].as_str().unwrap(),
+            format!("cell-{index}-{index}\n"),
+            "{cell}"
+        );
+    }
+    // Recorded exactly once: a cell finished before the kill was not run
+    // or written again.
+    for done in &done_before {
+        let now = &cells_after[done["index"].as_u64().unwrap() as usize];
+        for field in [
+            "sandbox_id",
+            "finished_at",
+            "attempts",
+            "claimed_by",
+            "stdout",
+        ] {
+            assert_eq!(
+                now[field], done[field],
+                "cell {} changed its {field}",
+                done["index"]
+            );
+        }
+    }
+    // An interrupted cell ran again, in a new sandbox.
+    for running in &running_before {
+        let now = &cells_after[running["index"].as_u64().unwrap() as usize];
+        if !running["sandbox_id"].is_null() {
+            assert_ne!(now["sandbox_id"], running["sandbox_id"], "{now}");
+        }
+    }
+    // Every sandbox the sweep made is gone, from either life.
+    let listed = client.get("/v1/sandboxes").await;
+    assert_eq!(
+        listed["items"].as_array().map(Vec::len),
+        Some(0),
+        "{listed}"
+    );
+    assert!(vms_of(&state).is_empty(), "VMs left after the sweep");
+    drop(up);
+    let _ = std::fs::remove_dir_all(&state);
+}
+
+#[test]
+fn a_sweep_survives_sigkill_of_the_control_plane_on_sqlite() {
+    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    shoal_testkit::block_on(async {
+        let db = shoal_testkit::TestDb::sqlite().await;
+        sweep_survives_a_sigkill(&db.url, shoal_testkit::state_dir("vm_sweep_crash_sqlite")).await;
+        db.cleanup().await;
+    });
+}
+
+#[test]
+fn a_sweep_survives_sigkill_of_the_control_plane_on_postgres() {
+    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    shoal_testkit::block_on(async {
+        let Some(db) = shoal_testkit::TestDb::postgres().await else {
+            return;
+        };
+        sweep_survives_a_sigkill(&db.url, shoal_testkit::state_dir("vm_sweep_crash_pg")).await;
+        db.cleanup().await;
+    });
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
