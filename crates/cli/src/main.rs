@@ -5,6 +5,7 @@
 //! live in `bench.rs` and only call the engine's public API.
 
 mod bench;
+mod fleet;
 mod up;
 
 use anyhow::{Context, Result};
@@ -20,10 +21,10 @@ struct Cli {
 }
 
 #[derive(Args, Clone)]
-struct EngineArgs {
+pub(crate) struct EngineArgs {
     /// Where templates, snapshots and VM state live.
     #[arg(long, env = "SHOAL_STATE_DIR", default_value = "/var/lib/shoal")]
-    state_dir: PathBuf,
+    pub(crate) state_dir: PathBuf,
     /// Force an accelerator (kvm or tcg); by default KVM where the host can
     /// run it, TCG otherwise.
     #[arg(long, env = "SHOAL_ACCEL")]
@@ -88,6 +89,10 @@ enum Command {
     },
     /// Run one host: the HTTP API, the host agent and the database.
     Up(up::UpArgs),
+    /// Run a fleet's front: placement and routing over the agents (PostgreSQL).
+    Server(fleet::ServerArgs),
+    /// Run one host of a fleet, reporting to a front.
+    Agent(fleet::AgentArgs),
     /// API tokens.
     Token {
         #[command(subcommand)]
@@ -278,6 +283,14 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         }
         Command::Up(args) => {
             up::up(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Server(args) => {
+            fleet::server(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Agent(args) => {
+            fleet::agent(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Token {

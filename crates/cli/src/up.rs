@@ -6,35 +6,43 @@ use shoal_control::{ControlConfig, ControlPlane};
 use shoal_host::{HostAgent, HostConfig};
 use shoal_store::{Store, Tier};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct UpArgs {
     #[command(flatten)]
-    engine: super::EngineArgs,
+    host: HostArgs,
     /// Address to serve the HTTP API on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
     #[command(flatten)]
     database: DatabaseArgs,
+}
+
+/// How a host runs its sandboxes (`shoal up` and `shoal agent`).
+#[derive(clap::Args)]
+pub struct HostArgs {
+    #[command(flatten)]
+    pub engine: super::EngineArgs,
     /// Sandboxes held in memory at once; more are refused with 503.
     #[arg(long)]
-    max_sandboxes: Option<usize>,
+    pub max_sandboxes: Option<usize>,
     /// Memory (MiB) kept free on the host; creates that would go below are refused with 507.
     #[arg(long, default_value_t = 1024)]
-    memory_reserve_mib: u64,
+    pub memory_reserve_mib: u64,
     /// Seconds between idle-reaper passes.
     #[arg(long, default_value_t = 30)]
-    reap_interval: u64,
+    pub reap_interval: u64,
     /// The guest agent binary to install in templates (default: next to `shoal`).
     #[arg(long, env = "SHOAL_GUEST_AGENT")]
-    guest_agent: Option<PathBuf>,
+    pub guest_agent: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
 pub struct DatabaseArgs {
     /// `postgres://...` or `sqlite:PATH`; default: SQLite at <state-dir>/shoal.db.
     #[arg(long, env = "SHOAL_DATABASE_URL")]
-    database_url: Option<String>,
+    pub database_url: Option<String>,
 }
 
 impl DatabaseArgs {
@@ -73,6 +81,86 @@ pub async fn token(args: TokenArgs) -> Result<()> {
 }
 
 pub async fn up(args: UpArgs) -> Result<()> {
+    let url = args.database.url(&args.host.engine.state_dir);
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    serve_host(HostServe {
+        args: &args.host,
+        database_url: url,
+        host_name: "local".into(),
+        listener,
+        started: Box::new(|address, store, host| {
+            println!(
+                "Shoal is up: http://{address} ({} database, {} accelerator)",
+                store.backend(),
+                host.engine().accel().as_str()
+            );
+            println!(
+                "  token:  shoal token create --account NAME --tier free|pro|team{}",
+                match &args.database.database_url {
+                    Some(url) => format!(" --database-url {url}"),
+                    None => format!(" --state-dir {}", args.host.engine.state_dir.display()),
+                }
+            );
+            println!("  client: PANDASTACK_API=http://{address} PANDASTACK_API_KEY=<token> python3 -c 'import pandastack'");
+        }),
+    })
+    .await?;
+    Ok(())
+}
+
+/// What one host serves with: `shoal up` alone, or as a fleet's agent.
+pub struct HostServe<'a> {
+    pub args: &'a HostArgs,
+    pub database_url: String,
+    /// The `host` of its sandboxes' rows.
+    pub host_name: String,
+    pub listener: tokio::net::TcpListener,
+    /// Called once the API is about to answer.
+    pub started: Box<dyn FnOnce(std::net::SocketAddr, &Store, &Arc<HostAgent>) + Send + 'a>,
+}
+
+/// Opens the host agent, builds the first-party templates if needed, opens
+/// the database, reconciles it with the host and serves the API until
+/// SIGTERM or Ctrl-C; then stops every sandbox of this host.
+pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
+    let args = serve.args;
+    let host = open_host(args).await?;
+    let store = Store::connect(&serve.database_url)
+        .await
+        .with_context(|| format!("opening the database {}", serve.database_url))?;
+    let mut config = ControlConfig {
+        host_name: serve.host_name,
+        ..ControlConfig::default()
+    };
+    config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
+    let control = ControlPlane::new(store.clone(), host.clone(), config);
+    control
+        .start_background()
+        .await
+        .map_err(|e| anyhow::anyhow!("reconciling the database with the host: {}", e.message))?;
+
+    let address = serve.listener.local_addr()?;
+    (serve.started)(address, &store, &host);
+    use std::io::Write;
+    std::io::stdout().flush()?;
+
+    // Answers are small and written whole: no reason to let Nagle hold them.
+    let listener = axum::serve::ListenerExt::tap_io(serve.listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, shoal_control::router(control))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    eprintln!("shutting down: stopping sandboxes");
+    host.engine().kill_all().await;
+    store.close().await;
+    Ok(host)
+}
+
+/// The host agent, with the first-party templates built (or checked).
+pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
     let mut engine = args.engine.config();
     engine.state_dir = args.engine.state_dir.clone();
     let host = HostAgent::open(HostConfig {
@@ -82,7 +170,6 @@ pub async fn up(args: UpArgs) -> Result<()> {
     })
     .await
     .context("opening the host agent")?;
-
     let agent = super::guest_agent_path(args.guest_agent.clone())?;
     let progress = indicatif::MultiProgress::new();
     for spec in shoal_image::first_party_templates() {
@@ -96,53 +183,10 @@ pub async fn up(args: UpArgs) -> Result<()> {
             spec.name, manifest.vcpus, manifest.memory_mib, manifest.accel
         );
     }
-
-    let url = args.database.url(&args.engine.state_dir);
-    let store = Store::connect(&url)
-        .await
-        .with_context(|| format!("opening the database {url}"))?;
-    let mut config = ControlConfig::default();
-    config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
-    let control = ControlPlane::new(store.clone(), host.clone(), config);
-    control
-        .start_background()
-        .await
-        .map_err(|e| anyhow::anyhow!("reconciling the database with the host: {}", e.message))?;
-
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("listening on {}", args.listen))?;
-    let address = listener.local_addr()?;
-    println!(
-        "Shoal is up: http://{address} ({} database, {} accelerator)",
-        store.backend(),
-        host.engine().accel().as_str()
-    );
-    println!(
-        "  token:  shoal token create --account NAME --tier free|pro|team{}",
-        match &args.database.database_url {
-            Some(url) => format!(" --database-url {url}"),
-            None => format!(" --state-dir {}", args.engine.state_dir.display()),
-        }
-    );
-    println!("  client: PANDASTACK_API=http://{address} PANDASTACK_API_KEY=<token> python3 -c 'import pandastack'");
-    use std::io::Write;
-    std::io::stdout().flush()?;
-
-    // Answers are small and written whole: no reason to let Nagle hold them.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, shoal_control::router(control))
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
-    eprintln!("shutting down: stopping sandboxes");
-    host.engine().kill_all().await;
-    store.close().await;
-    Ok(())
+    Ok(host)
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     tokio::select! {

@@ -156,9 +156,11 @@ impl Meter {
 /// After a restart: no exec is running any more, and sandboxes whose VM did
 /// not survive (only hibernated ones do) are recorded deleted.
 pub async fn reconcile(cp: &ControlPlane) -> ApiResult<()> {
-    cp.store.clear_running_execs().await?;
+    cp.store.clear_running_execs(&cp.config.host_name).await?;
     for row in cp.store.list_all_live().await? {
-        if !cp.is_ours(&row) && row.status != status::CREATING {
+        // A row without a host is from before hosts were recorded at
+        // admission: only a single-host install has those.
+        if !(cp.is_ours(&row) || row.host.is_none() && row.status == status::CREATING) {
             continue;
         }
         match cp.host.engine().get(&row.id).await {

@@ -712,7 +712,11 @@ async fn prepare(agent: &AgentClient, info: &SweepInfo, forked: bool) -> Result<
     if forked {
         return Ok(());
     }
-    agent.make_dir(workdir(&info.row)).await?;
+    // Every template has the default one: a round trip saved, and each one
+    // right after a restore costs the guest fresh code translation under TCG.
+    if workdir(&info.row) != DEFAULT_WORKDIR {
+        agent.make_dir(workdir(&info.row)).await?;
+    }
     for (path, bytes) in &info.files {
         agent.write_file(path, None, &bytes[..]).await?;
     }
@@ -802,6 +806,7 @@ async fn make_sandbox(
         from_snapshot: None,
         parent_id: parent_id.clone(),
         tree_id: None,
+        host: Some(cp.config.host_name.clone()),
     };
     let mut row = cp
         .store
@@ -917,6 +922,7 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         from_snapshot: None,
         parent_id: None,
         tree_id: None,
+        host: Some(cp.config.host_name.clone()),
     };
     let mut row = cp
         .store

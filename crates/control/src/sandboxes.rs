@@ -271,6 +271,7 @@ async fn create_detached(
         from_snapshot: body.from_snapshot.clone(),
         parent_id: None,
         tree_id: None,
+        host: Some(cp.config.host_name.clone()),
     };
     let mut row = cp
         .store
@@ -363,6 +364,7 @@ async fn fork_children(
             from_snapshot: None,
             parent_id: Some(parent.id.clone()),
             tree_id: tree_id.clone(),
+            host: Some(cp.config.host_name.clone()),
         };
         match cp
             .store

@@ -111,6 +111,9 @@ pub struct NewSandbox {
     pub from_snapshot: Option<String>,
     pub parent_id: Option<String>,
     pub tree_id: Option<String>,
+    /// The host that makes it: recorded at admission, so that host's agent
+    /// owns the row from the start (and no other agent touches it).
+    pub host: Option<String>,
 }
 
 /// One sandbox as stored.

@@ -31,8 +31,8 @@ const LOCK_ACCOUNT_POSTGRES: &str = "SELECT id FROM accounts WHERE id = $1 FOR U
 
 const INSERT: &str = "INSERT INTO sandboxes (id, account_id, template, cpu, memory_mb, metadata, \
      ttl_seconds, persistent, max_lifetime_seconds, from_snapshot, parent_id, tree_id, status, \
-     created_at, last_activity_at, running_execs) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14, 0)";
+     created_at, last_activity_at, running_execs, host) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14, 0, $15)";
 
 const UPDATE: &str = "UPDATE sandboxes SET \
      status = COALESCE($2, status), \
@@ -104,7 +104,8 @@ const REAP: &str = concat!(
      ORDER BY created_at, id"
 );
 
-const CLEAR_EXECS: &str = "UPDATE sandboxes SET running_execs = 0 WHERE running_execs <> 0";
+const CLEAR_EXECS: &str = "UPDATE sandboxes SET running_execs = 0 \
+     WHERE running_execs <> 0 AND (host = $1 OR host IS NULL)";
 
 impl Store {
     /// Checks the account's quotas and inserts the sandbox with status
@@ -164,6 +165,7 @@ impl Store {
                 .bind(&new.tree_id)
                 .bind(status::CREATING)
                 .bind(now)
+                .bind(&new.host)
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "sandbox", &new.id))?;
@@ -292,9 +294,11 @@ impl Store {
     /// Zeroes every exec counter. For a control plane starting up alone: the
     /// execs a previous run counted died with it, and would otherwise keep
     /// their sandboxes from ever being reaped as idle.
-    pub async fn clear_running_execs(&self) -> Result<u64> {
+    /// Only `host`'s sandboxes (and rows from before hosts were recorded):
+    /// another host's execs are still running.
+    pub async fn clear_running_execs(&self, host: &str) -> Result<u64> {
         Ok(on_writer!(self, pool => {
-            sqlx::query(CLEAR_EXECS).execute(pool).await?.rows_affected()
+            sqlx::query(CLEAR_EXECS).bind(host).execute(pool).await?.rows_affected()
         }))
     }
 

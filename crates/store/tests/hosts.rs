@@ -166,6 +166,7 @@ async fn only_stale_hosts_lose_their_sandboxes(db: Arc<Db>) {
             from_snapshot: None,
             parent_id: None,
             tree_id: None,
+            host: Some(host.into()),
         };
         store
             .admit_sandbox(&account, &new, &limits, T0)

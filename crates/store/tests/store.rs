@@ -218,6 +218,7 @@ fn new_sandbox(id: &str) -> NewSandbox {
         from_snapshot: None,
         parent_id: None,
         tree_id: None,
+        host: None,
     }
 }
 
@@ -559,7 +560,7 @@ async fn reap_candidates_follow_ttl_persistence_execs_and_lifetime(db: Arc<Db>) 
     );
 
     // Counters a dead control plane left behind can be cleared.
-    assert_eq!(store.clear_running_execs().await.unwrap(), 1);
+    assert_eq!(store.clear_running_execs("local").await.unwrap(), 1);
     assert_eq!(
         store
             .sandbox_by_id("old")
@@ -713,6 +714,7 @@ async fn update_patches_fields_and_respects_if_status(db: Arc<Db>) {
         from_snapshot: Some("snap-1".into()),
         parent_id: Some("p".into()),
         tree_id: Some("t".into()),
+        host: None,
         max_lifetime_seconds: Some(9000),
         ..new_sandbox("patched")
     };

@@ -1,0 +1,545 @@
+//! The front (`shoal server`): the API's address for a fleet of hosts.
+//!
+//! Stateless: everything it knows is in the database (hosts, placements,
+//! sandbox rows, tokens), so several fronts may run behind a load balancer.
+//! Per request it does one of four things:
+//!
+//! - `POST /v1/sandboxes`: authenticate, place on a live host (a fork is
+//!   not a create: it goes with the rest to its parent's host), record the
+//!   placement so a burst does not pile onto one host before its next
+//!   heartbeat, and forward the request there; 503 `no compute capacity
+//!   available` with `Retry-After: 5` when nothing fits, before anything
+//!   exists.
+//! - a request about a sandbox: forward it to the sandbox's host; when that
+//!   host is stale, reading or deleting the row still works (any live agent
+//!   answers from the database), anything else is 503 `sandbox host
+//!   unavailable` with `Retry-After: 15`.
+//! - the fleet-internal routes (`/v1/fleet/...`, fleet token): heartbeats,
+//!   the configuration an agent starts with, the hosts as placement sees
+//!   them.
+//! - anything else (`/v1/me`, lists, usage, sweeps, templates): forward to
+//!   any live agent; they all read the same database.
+
+use crate::{fleet_token_matches, FleetConfig, HEARTBEAT_INTERVAL, STALE_AFTER};
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use shoal_placement::{HostCapacity, InFlight, PlacementError, Request as PlacementRequest};
+use shoal_store::{Account, HostReport, HostRow, NewPlacement, Store};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How a front runs.
+#[derive(Debug, Clone)]
+pub struct FrontConfig {
+    /// Shared by the fronts and agents of one fleet.
+    pub fleet_token: String,
+    /// Handed to agents that start without one of their own.
+    pub database_url: String,
+    /// How often the sandboxes of stale hosts are looked for.
+    pub lost_check: Duration,
+}
+
+/// Host memory a new sandbox is expected to take: its resident size, not
+/// its nominal RAM. A restored clone shares the template's pages and holds
+/// some 30 MiB of its own when idle (docs/bench); this leaves room to work.
+const SANDBOX_RESIDENT_MIB: u64 = 256;
+/// Host CPUs a new sandbox is expected to keep busy.
+const SANDBOX_CPU_SHARE: f64 = 0.25;
+/// How long routing trusts its view of the hosts; placement always reads
+/// the database afresh.
+const ROUTING_VIEW_TTL: Duration = Duration::from_secs(1);
+/// How long an authenticated token is trusted without asking the database.
+const TOKEN_CACHE_TTL: Duration = Duration::from_secs(10);
+
+pub struct Front {
+    store: Store,
+    config: FrontConfig,
+    http: reqwest::Client,
+    tokens: Mutex<HashMap<String, (Account, Instant)>>,
+    /// Placement decisions of this front, one at a time: each reads the
+    /// placements the previous one recorded.
+    placing: tokio::sync::Mutex<()>,
+    routing: Mutex<Option<(Instant, Arc<Vec<HostRow>>)>>,
+    next_any: AtomicUsize,
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+fn refuse(status: StatusCode, message: &str, retry_after: Option<u32>) -> Response {
+    let mut response = (status, Json(json!({ "error": message }))).into_response();
+    if let Some(seconds) = retry_after {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    response
+}
+
+fn no_capacity() -> Response {
+    refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no compute capacity available",
+        Some(5),
+    )
+}
+
+fn host_unavailable() -> Response {
+    refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "sandbox host unavailable",
+        Some(15),
+    )
+}
+
+fn unauthorized() -> Response {
+    refuse(
+        StatusCode::UNAUTHORIZED,
+        "missing or invalid API token",
+        None,
+    )
+}
+
+fn database_error(e: shoal_store::StoreError) -> Response {
+    tracing::error!(error = %e, "database");
+    refuse(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        &format!("database error: {e}"),
+        None,
+    )
+}
+
+/// Whether a host takes work: heard from recently and not draining.
+fn is_live(host: &HostRow, now: f64) -> bool {
+    host.is_fresh(now, STALE_AFTER.as_secs_f64()) && !host.report.draining
+}
+
+/// A host as placement sees it.
+pub fn capacity(host: &HostRow, now: f64) -> HostCapacity {
+    let report = &host.report;
+    HostCapacity {
+        id: report.id.clone(),
+        live: is_live(host, now),
+        vcpus: report.vcpus,
+        cpu_busy: report.cpu_busy,
+        memory_mib: report.memory_mib,
+        available_mib: report.available_mib,
+        reserve_mib: report.reserve_mib,
+        sandboxes: report.sandboxes,
+        max_sandboxes: report.max_sandboxes,
+        in_flight: InFlight {
+            sandboxes: host.in_flight_sandboxes,
+            memory_mib: host.in_flight_memory_mib,
+            cpu_share: host.in_flight_cpu_share,
+        },
+    }
+}
+
+/// Headers that belong to one connection, not to the request.
+fn hop_by_hop(name: &header::HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+impl Front {
+    pub fn new(store: Store, config: FrontConfig) -> Arc<Front> {
+        Arc::new(Front {
+            store,
+            config,
+            http: reqwest::Client::builder()
+                .tcp_nodelay(true)
+                .build()
+                .expect("an HTTP client"),
+            tokens: Mutex::default(),
+            placing: tokio::sync::Mutex::new(()),
+            routing: Mutex::new(None),
+            next_any: AtomicUsize::new(0),
+        })
+    }
+
+    /// Marks the sandboxes of stale hosts `lost`, every `lost_check`.
+    pub fn spawn_lost_marker(self: &Arc<Self>) {
+        let front = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(front.config.lost_check);
+            loop {
+                tick.tick().await;
+                let stale_before = now() - STALE_AFTER.as_secs_f64();
+                match front
+                    .store
+                    .lose_sandboxes_of_stale_hosts(stale_before)
+                    .await
+                {
+                    Ok(lost) if !lost.is_empty() => {
+                        tracing::warn!(
+                            count = lost.len(),
+                            ?lost,
+                            "sandboxes of a stale host are lost"
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "marking lost sandboxes"),
+                }
+            }
+        });
+    }
+
+    async fn caller(&self, headers: &HeaderMap) -> Result<Account, Response> {
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(unauthorized)?;
+        let key = shoal_store::token_hash(token);
+        if let Some((account, at)) = self.tokens.lock().unwrap().get(&key) {
+            if at.elapsed() < TOKEN_CACHE_TTL {
+                return Ok(account.clone());
+            }
+        }
+        let account = self
+            .store
+            .authenticate(token)
+            .await
+            .map_err(database_error)?
+            .ok_or_else(unauthorized)?;
+        self.tokens
+            .lock()
+            .unwrap()
+            .insert(key, (account.clone(), Instant::now()));
+        Ok(account)
+    }
+
+    /// The hosts as routing sees them (at most a second old).
+    async fn routing_view(&self) -> Result<Arc<Vec<HostRow>>, Response> {
+        if let Some((at, hosts)) = &*self.routing.lock().unwrap() {
+            if at.elapsed() < ROUTING_VIEW_TTL {
+                return Ok(hosts.clone());
+            }
+        }
+        let hosts = Arc::new(self.store.hosts(now()).await.map_err(database_error)?);
+        *self.routing.lock().unwrap() = Some((Instant::now(), hosts.clone()));
+        Ok(hosts)
+    }
+
+    /// Chooses a host for one new sandbox and records the placement.
+    /// Returns the host's address and the placement's id.
+    pub async fn place(&self) -> Result<(String, String), Response> {
+        let request = PlacementRequest {
+            memory_mib: SANDBOX_RESIDENT_MIB,
+            cpu_share: SANDBOX_CPU_SHARE,
+            pinned_to: None,
+        };
+        let _one_at_a_time = self.placing.lock().await;
+        let at = now();
+        let hosts = self.store.hosts(at).await.map_err(database_error)?;
+        let capacities: Vec<HostCapacity> = hosts.iter().map(|h| capacity(h, at)).collect();
+        let chosen = match shoal_placement::place(&request, &capacities) {
+            Ok(host) => host.id.clone(),
+            Err(PlacementError::NoCapacity) => return Err(no_capacity()),
+            Err(PlacementError::PinnedHostUnavailable) => return Err(host_unavailable()),
+        };
+        let url = hosts
+            .iter()
+            .find(|h| h.report.id == chosen)
+            .map(|h| h.report.url.clone())
+            .unwrap_or_default();
+        let placement = self
+            .store
+            .add_placement(
+                &NewPlacement {
+                    host_id: chosen,
+                    memory_mib: request.memory_mib,
+                    cpu_share: request.cpu_share,
+                },
+                at,
+            )
+            .await
+            .map_err(database_error)?;
+        Ok((url, placement))
+    }
+
+    /// Sends the request on to an agent, streaming both bodies (exec
+    /// streams and large files pass through without being held).
+    async fn forward(
+        &self,
+        base: &str,
+        method: Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: reqwest::Body,
+    ) -> Result<Response, reqwest::Error> {
+        let path = uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut request = self.http.request(method, format!("{base}{path}"));
+        for (name, value) in headers {
+            if !hop_by_hop(name) {
+                request = request.header(name, value);
+            }
+        }
+        let answer = request.body(body).send().await?;
+        let mut response = Response::builder().status(answer.status());
+        for (name, value) in answer.headers() {
+            if !hop_by_hop(name) {
+                response = response.header(name, value);
+            }
+        }
+        Ok(response
+            .body(Body::from_stream(answer.bytes_stream()))
+            .unwrap_or_else(|_| StatusCode::BAD_GATEWAY.into_response()))
+    }
+
+    /// Forwards to any live agent, trying the next one if an agent cannot be
+    /// reached.
+    async fn forward_to_any(
+        &self,
+        method: Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        let hosts = match self.routing_view().await {
+            Ok(hosts) => hosts,
+            Err(response) => return response,
+        };
+        let at = now();
+        let live: Vec<&HostRow> = hosts.iter().filter(|h| is_live(h, at)).collect();
+        if live.is_empty() {
+            return no_capacity();
+        }
+        let first = self.next_any.fetch_add(1, Ordering::Relaxed);
+        for i in 0..live.len() {
+            let host = live[(first + i) % live.len()];
+            match self
+                .forward(
+                    &host.report.url,
+                    method.clone(),
+                    uri,
+                    headers,
+                    body.clone().into(),
+                )
+                .await
+            {
+                Ok(response) => return response,
+                Err(e) => tracing::warn!(host = host.report.id, error = %e, "agent unreachable"),
+            }
+        }
+        no_capacity()
+    }
+}
+
+/// The front's routes.
+pub fn router(front: Arc<Front>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/v1/fleet/heartbeat", post(heartbeat))
+        .route("/v1/fleet/config", get(config))
+        .route("/v1/fleet/hosts", get(hosts))
+        .route("/v1/sandboxes", post(create).fallback(elsewhere))
+        .route("/v1/sandboxes/{id}", any(about_sandbox))
+        .route("/v1/sandboxes/{id}/{*rest}", any(about_sandbox))
+        .fallback(elsewhere)
+        .with_state(front)
+}
+
+type St = State<Arc<Front>>;
+
+async fn heartbeat(State(front): St, headers: HeaderMap, body: Bytes) -> Response {
+    if !fleet_token_matches(&headers, &front.config.fleet_token) {
+        return unauthorized();
+    }
+    let report: HostReport = match serde_json::from_slice(&body) {
+        Ok(report) => report,
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid host report: {e}"),
+                None,
+            )
+        }
+    };
+    if report.id.is_empty() || !report.url.starts_with("http") {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "a host report needs an id and an http(s) url",
+            None,
+        );
+    }
+    match front.store.report_host(&report, now()).await {
+        Ok(()) => Json(json!({
+            "ok": true,
+            "heartbeat_interval_s": HEARTBEAT_INTERVAL.as_secs(),
+            "stale_after_s": STALE_AFTER.as_secs(),
+        }))
+        .into_response(),
+        Err(e) => database_error(e),
+    }
+}
+
+async fn config(State(front): St, headers: HeaderMap) -> Response {
+    if !fleet_token_matches(&headers, &front.config.fleet_token) {
+        return unauthorized();
+    }
+    Json(FleetConfig {
+        database_url: front.config.database_url.clone(),
+        heartbeat_interval_s: HEARTBEAT_INTERVAL.as_secs(),
+        stale_after_s: STALE_AFTER.as_secs(),
+    })
+    .into_response()
+}
+
+async fn hosts(State(front): St, headers: HeaderMap) -> Response {
+    if !fleet_token_matches(&headers, &front.config.fleet_token) {
+        return unauthorized();
+    }
+    let at = now();
+    match front.store.hosts(at).await {
+        Ok(hosts) => {
+            let hosts: Vec<_> = hosts
+                .iter()
+                .map(|h| {
+                    json!({
+                        "id": h.report.id,
+                        "url": h.report.url,
+                        "live": is_live(h, at),
+                        "heartbeat_age_s": at - h.heartbeat_at,
+                        "report": h.report,
+                        "in_flight_sandboxes": h.in_flight_sandboxes,
+                    })
+                })
+                .collect();
+            Json(json!({ "hosts": hosts })).into_response()
+        }
+        Err(e) => database_error(e),
+    }
+}
+
+async fn create(
+    State(front): St,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(response) = front.caller(&headers).await {
+        return response;
+    }
+    let (url, placement) = match front.place().await {
+        Ok(chosen) => chosen,
+        Err(response) => return response,
+    };
+    let answer = front
+        .forward(&url, method, &uri, &headers, body.into())
+        .await;
+    let created = matches!(&answer, Ok(response) if response.status().is_success());
+    let done = if created {
+        front.store.placement_done(&placement, now()).await
+    } else {
+        front.store.drop_placement(&placement).await
+    };
+    if let Err(e) = done {
+        tracing::warn!(error = %e, "recording the end of a placement");
+    }
+    match answer {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::warn!(host = url, error = %e, "agent unreachable for a create");
+            no_capacity()
+        }
+    }
+}
+
+async fn about_sandbox(
+    State(front): St,
+    Path(params): Path<HashMap<String, String>>,
+    request: Request,
+) -> Response {
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts.headers).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
+    let id = params.get("id").cloned().unwrap_or_default();
+    let row = match front.store.get_sandbox(account.id, &id).await {
+        Ok(Some(row)) => row,
+        Ok(None) => return refuse(StatusCode::NOT_FOUND, "sandbox not found", None),
+        Err(e) => return database_error(e),
+    };
+    let hosts = match front.routing_view().await {
+        Ok(hosts) => hosts,
+        Err(response) => return response,
+    };
+    let at = now();
+    let home = row
+        .host
+        .as_deref()
+        .and_then(|name| hosts.iter().find(|h| h.report.id == name))
+        .filter(|h| is_live(h, at));
+    match home {
+        Some(host) => {
+            let body = reqwest::Body::wrap_stream(body.into_data_stream());
+            match front
+                .forward(
+                    &host.report.url,
+                    parts.method,
+                    &parts.uri,
+                    &parts.headers,
+                    body,
+                )
+                .await
+            {
+                Ok(response) => response,
+                Err(e) => {
+                    tracing::warn!(host = host.report.id, error = %e, "sandbox host unreachable");
+                    host_unavailable()
+                }
+            }
+        }
+        // The row outlives its host: any agent reads or deletes it.
+        None if params.get("rest").is_none()
+            && matches!(parts.method, Method::GET | Method::DELETE) =>
+        {
+            let body = match axum::body::to_bytes(body, 1 << 20).await {
+                Ok(body) => body,
+                Err(_) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, "body too large", None),
+            };
+            front
+                .forward_to_any(parts.method, &parts.uri, &parts.headers, body)
+                .await
+        }
+        None => host_unavailable(),
+    }
+}
+
+/// Routes that are not about one sandbox: any agent answers.
+async fn elsewhere(State(front): St, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = match axum::body::to_bytes(body, 64 << 20).await {
+        Ok(body) => body,
+        Err(_) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, "body too large", None),
+    };
+    front
+        .forward_to_any(parts.method, &parts.uri, &parts.headers, body)
+        .await
+}

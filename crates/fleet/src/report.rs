@@ -1,0 +1,209 @@
+//! The agent's side of the fleet: what a host reports and how often.
+//!
+//! Every [`HEARTBEAT_INTERVAL`] the agent measures itself (CPU busy since
+//! the last report, memory from `/proc/meminfo`, the sandboxes its engine
+//! holds and their Pss) and posts it to a front, which writes the host's
+//! row. A front that cannot be reached is retried at the next beat; three
+//! missed beats make the host stale.
+
+use crate::{FleetConfig, HEARTBEAT_INTERVAL};
+use shoal_host::{HostAgent, VmState};
+use shoal_store::HostReport;
+use std::sync::Arc;
+
+/// Who this agent is to the fleet.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// Unique in the fleet; also the `host` of its sandboxes' rows.
+    pub name: String,
+    /// Where fronts reach its API.
+    pub url: String,
+    pub max_sandboxes: Option<u32>,
+    pub reserve_mib: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("the control plane at {url} cannot be reached: {source}")]
+    Unreachable { url: String, source: reqwest::Error },
+    #[error("the control plane refused: {status}: {body}")]
+    Refused {
+        status: reqwest::StatusCode,
+        body: String,
+    },
+}
+
+/// Posts heartbeats to a front.
+pub struct Reporter {
+    control_plane: String,
+    fleet_token: String,
+    identity: Identity,
+    host: Arc<HostAgent>,
+    http: reqwest::Client,
+    last_cpu: std::sync::Mutex<Option<CpuTimes>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct CpuTimes {
+    busy: u64,
+    total: u64,
+}
+
+/// The `cpu` line of `/proc/stat`: busy and total jiffies.
+fn cpu_times() -> Option<CpuTimes> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    let total: u64 = fields.iter().sum();
+    // idle and iowait are the 4th and 5th fields.
+    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+    Some(CpuTimes {
+        busy: total.saturating_sub(idle),
+        total,
+    })
+}
+
+/// `MemTotal` and `MemAvailable`, in MiB.
+fn memory_mib() -> (u64, u64) {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kib| kib.parse::<u64>().ok())
+            .map_or(0, |kib| kib / 1024)
+    };
+    (field("MemTotal:"), field("MemAvailable:"))
+}
+
+impl Reporter {
+    pub fn new(
+        control_plane: &str,
+        fleet_token: &str,
+        identity: Identity,
+        host: Arc<HostAgent>,
+    ) -> Reporter {
+        Reporter {
+            control_plane: control_plane.trim_end_matches('/').to_owned(),
+            fleet_token: fleet_token.to_owned(),
+            identity,
+            host,
+            http: reqwest::Client::new(),
+            last_cpu: std::sync::Mutex::new(cpu_times()),
+        }
+    }
+
+    /// What the host looks like now.
+    pub async fn measure(&self) -> HostReport {
+        let held: Vec<_> = self
+            .host
+            .engine()
+            .list()
+            .await
+            .into_iter()
+            .filter(|s| s.state != VmState::Hibernated)
+            .collect();
+        let pss_bytes: u64 = held
+            .iter()
+            .filter_map(|s| self.host.engine().usage(&s.id).ok().flatten())
+            .map(|u| u.pss_bytes)
+            .sum();
+        let cpu_busy = {
+            let mut last = self.last_cpu.lock().unwrap();
+            let current = cpu_times();
+            let busy = match (*last, current) {
+                (Some(a), Some(b)) if b.total > a.total => {
+                    (b.busy.saturating_sub(a.busy)) as f64 / (b.total - a.total) as f64
+                }
+                _ => 0.0,
+            };
+            *last = current;
+            busy.clamp(0.0, 1.0)
+        };
+        let (memory_mib, available_mib) = memory_mib();
+        HostReport {
+            id: self.identity.name.clone(),
+            url: self.identity.url.clone(),
+            vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+            cpu_busy,
+            memory_mib,
+            available_mib,
+            reserve_mib: self.identity.reserve_mib,
+            sandboxes: held.len() as u32,
+            max_sandboxes: self.identity.max_sandboxes,
+            pss_mib: pss_bytes >> 20,
+            draining: false,
+        }
+    }
+
+    /// Sends one heartbeat.
+    pub async fn beat(&self) -> Result<(), ReportError> {
+        let report = self.measure().await;
+        let url = format!("{}/v1/fleet/heartbeat", self.control_plane);
+        let answer = self
+            .http
+            .post(&url)
+            .bearer_auth(&self.fleet_token)
+            .json(&report)
+            .timeout(HEARTBEAT_INTERVAL)
+            .send()
+            .await
+            .map_err(|source| ReportError::Unreachable {
+                url: url.clone(),
+                source,
+            })?;
+        if !answer.status().is_success() {
+            return Err(ReportError::Refused {
+                status: answer.status(),
+                body: answer.text().await.unwrap_or_default(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Beats forever, every [`HEARTBEAT_INTERVAL`].
+    pub fn spawn(self: Arc<Self>) {
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Err(e) = self.beat().await {
+                    tracing::warn!(error = %e, "heartbeat");
+                }
+            }
+        });
+    }
+}
+
+/// Asks a front for the fleet's configuration (the database to share).
+pub async fn fetch_config(
+    control_plane: &str,
+    fleet_token: &str,
+) -> Result<FleetConfig, ReportError> {
+    let url = format!("{}/v1/fleet/config", control_plane.trim_end_matches('/'));
+    let answer = reqwest::Client::new()
+        .get(&url)
+        .bearer_auth(fleet_token)
+        .send()
+        .await
+        .map_err(|source| ReportError::Unreachable {
+            url: url.clone(),
+            source,
+        })?;
+    if !answer.status().is_success() {
+        return Err(ReportError::Refused {
+            status: answer.status(),
+            body: answer.text().await.unwrap_or_default(),
+        });
+    }
+    answer
+        .json()
+        .await
+        .map_err(|source| ReportError::Unreachable { url, source })
+}
