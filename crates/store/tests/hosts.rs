@@ -166,7 +166,7 @@ async fn only_stale_hosts_lose_their_sandboxes(db: Arc<Db>) {
             from_snapshot: None,
             parent_id: None,
             tree_id: None,
-            host: Some(host.into()),
+            host: Some(host.to_string()),
         };
         store
             .admit_sandbox(&account, &new, &limits, T0)
