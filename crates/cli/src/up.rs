@@ -110,6 +110,10 @@ pub async fn up(args: UpArgs) -> Result<()> {
     Ok(())
 }
 
+/// Called once the host's API is about to answer: the address it answers
+/// on, its database and its host agent.
+pub type OnStarted<'a> = Box<dyn FnOnce(std::net::SocketAddr, &Store, &Arc<HostAgent>) + Send + 'a>;
+
 /// What one host serves with: `shoal up` alone, or as a fleet's agent.
 pub struct HostServe<'a> {
     pub args: &'a HostArgs,
@@ -117,8 +121,7 @@ pub struct HostServe<'a> {
     /// The `host` of its sandboxes' rows.
     pub host_name: String,
     pub listener: tokio::net::TcpListener,
-    /// Called once the API is about to answer.
-    pub started: Box<dyn FnOnce(std::net::SocketAddr, &Store, &Arc<HostAgent>) + Send + 'a>,
+    pub started: OnStarted<'a>,
 }
 
 /// Opens the host agent, builds the first-party templates if needed, opens

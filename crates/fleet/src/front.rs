@@ -517,7 +517,7 @@ async fn about_sandbox(
             }
         }
         // The row outlives its host: any agent reads or deletes it.
-        None if params.get("rest").is_none()
+        None if !params.contains_key("rest")
             && matches!(parts.method, Method::GET | Method::DELETE) =>
         {
             let body = match axum::body::to_bytes(body, 1 << 20).await {
