@@ -82,7 +82,7 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     axum::serve(listener, shoal_fleet::front::router(front))
         .with_graceful_shutdown(crate::up::shutdown_signal())
         .await?;
-    store.close().await;
+    crate::up::close_store(store).await;
     Ok(())
 }
 

@@ -5,6 +5,7 @@
 //! live in `bench.rs` and only call the engine's public API.
 
 mod bench;
+mod bench_fleet;
 mod fleet;
 mod up;
 
@@ -136,6 +137,9 @@ enum BenchCommand {
     Engine(bench::EngineBenchArgs),
     /// Create, exec and GET through a running `shoal up`.
     Api(bench::ApiBenchArgs),
+    /// Create through a fleet's front vs. one agent, placement decisions per
+    /// second, and the spread of a burst of creates (see scripts/bench-fleet).
+    Fleet(bench_fleet::FleetBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -309,6 +313,12 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             command: BenchCommand::Api(args),
         } => {
             bench::api(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            command: BenchCommand::Fleet(args),
+        } => {
+            bench_fleet::fleet(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
     }

@@ -76,7 +76,7 @@ pub async fn token(args: TokenArgs) -> Result<()> {
     let token = store.create_token(&args.account, tier).await?;
     eprintln!("API token for account {} ({tier} tier):", args.account);
     println!("{token}");
-    store.close().await;
+    close_store(store).await;
     Ok(())
 }
 
@@ -158,7 +158,7 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
         .await?;
     eprintln!("shutting down: stopping sandboxes");
     host.engine().kill_all().await;
-    store.close().await;
+    close_store(store).await;
     Ok(host)
 }
 
@@ -187,6 +187,17 @@ pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
         );
     }
     Ok(host)
+}
+
+/// Closes the database pool, but does not let a database that went away
+/// first hold the process up: after SIGTERM it must exit.
+pub async fn close_store(store: Store) {
+    if tokio::time::timeout(std::time::Duration::from_secs(5), store.close())
+        .await
+        .is_err()
+    {
+        eprintln!("shutting down: the database did not answer; leaving it");
+    }
 }
 
 pub async fn shutdown_signal() {
