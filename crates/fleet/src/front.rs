@@ -63,8 +63,8 @@ pub struct Front {
     config: FrontConfig,
     http: reqwest::Client,
     tokens: Mutex<HashMap<String, (Account, Instant)>>,
-    /// Placement decisions of this front, one at a time: each reads the
-    /// placements the previous one recorded.
+    /// Placement decisions of this front, one at a time (the database
+    /// serialises them across fronts).
     placing: tokio::sync::Mutex<()>,
     routing: Mutex<Option<(Instant, Arc<Vec<HostRow>>)>>,
     next_any: AtomicUsize,
@@ -244,7 +244,8 @@ impl Front {
         Ok(hosts)
     }
 
-    /// Chooses a host for one new sandbox and records the placement.
+    /// Chooses a host for one new sandbox and records the placement, in
+    /// one decision no other front interleaves with (`Store::place`).
     /// Returns the host's address and the placement's id.
     pub async fn place(&self) -> Result<(String, String), Response> {
         let request = PlacementRequest {
@@ -252,33 +253,34 @@ impl Front {
             cpu_share: SANDBOX_CPU_SHARE,
             pinned_to: None,
         };
+        // One decision of this front at a time holds a database connection;
+        // the others wait here rather than on the database's lock.
         let _one_at_a_time = self.placing.lock().await;
         let at = now();
-        let hosts = self.store.hosts(at).await.map_err(database_error)?;
-        let capacities: Vec<HostCapacity> = hosts.iter().map(|h| capacity(h, at)).collect();
-        let chosen = match shoal_placement::place(&request, &capacities) {
-            Ok(host) => host.id.clone(),
-            Err(PlacementError::NoCapacity) => return Err(no_capacity()),
-            Err(PlacementError::PinnedHostUnavailable) => return Err(host_unavailable()),
-        };
-        let url = hosts
-            .iter()
-            .find(|h| h.report.id == chosen)
-            .map(|h| h.report.url.clone())
-            .unwrap_or_default();
-        let placement = self
+        let mut url = String::new();
+        let decided = self
             .store
-            .add_placement(
-                &NewPlacement {
-                    host_id: chosen,
+            .place(at, |hosts| {
+                let capacities: Vec<HostCapacity> = hosts.iter().map(|h| capacity(h, at)).collect();
+                let chosen = shoal_placement::place(&request, &capacities)?;
+                url = hosts
+                    .iter()
+                    .find(|h| h.report.id == chosen.id)
+                    .map(|h| h.report.url.clone())
+                    .unwrap_or_default();
+                Ok(NewPlacement {
+                    host_id: chosen.id.clone(),
                     memory_mib: request.memory_mib,
                     cpu_share: request.cpu_share,
-                },
-                at,
-            )
+                })
+            })
             .await
             .map_err(database_error)?;
-        Ok((url, placement))
+        match decided {
+            Ok((_, placement)) => Ok((url, placement)),
+            Err(PlacementError::NoCapacity) => Err(no_capacity()),
+            Err(PlacementError::PinnedHostUnavailable) => Err(host_unavailable()),
+        }
     }
 
     /// Sends the request on to an agent, streaming both bodies (exec

@@ -40,6 +40,9 @@ const HOSTS: &str = "SELECT h.id, h.url, h.vcpus, h.cpu_busy, h.memory_mib, h.av
      ORDER BY h.id";
 const PLACE: &str = "INSERT INTO placements (id, host_id, memory_mib, cpu_share, created_at) \
      VALUES ($1, $2, $3, $4, $5)";
+/// Serialises placement decisions across every front of a fleet (an
+/// arbitrary key of Shoal's own); SQLite's `BEGIN IMMEDIATE` does the same.
+const LOCK_PLACEMENTS_POSTGRES: &str = "SELECT pg_advisory_xact_lock(7366836657101290337)";
 const PLACEMENT_DONE: &str = "UPDATE placements SET done_at = $2 WHERE id = $1";
 const DROP_PLACEMENT: &str = "DELETE FROM placements WHERE id = $1";
 const LOSE_SANDBOXES: &str = "UPDATE sandboxes SET status = 'lost' \
@@ -103,6 +106,50 @@ impl Store {
                 .await?;
         });
         Ok(id)
+    }
+
+    /// One placement decision, atomic across every front of the fleet:
+    /// `choose` sees the hosts with the placements counted against them and
+    /// returns the placement to record (or why there is none), and no other
+    /// decision reads the hosts between that read and this one's record.
+    /// Returns the recorded placement's id, or `choose`'s refusal.
+    pub async fn place<E>(
+        &self,
+        now: f64,
+        choose: impl FnOnce(&[HostRow]) -> std::result::Result<NewPlacement, E>,
+    ) -> Result<std::result::Result<(NewPlacement, String), E>> {
+        let id = format!("pl_{:016x}", rand::random::<u64>());
+        let (begin, lock) = match &*self.inner {
+            crate::Backend::Sqlite { .. } => ("BEGIN IMMEDIATE", None),
+            crate::Backend::Postgres(_) => ("BEGIN", Some(LOCK_PLACEMENTS_POSTGRES)),
+        };
+        on_writer!(self, pool => {
+            let mut tx = pool.begin_with(begin).await?;
+            if let Some(lock) = lock {
+                sqlx::query(lock).execute(&mut *tx).await?;
+            }
+            let hosts: Vec<HostRow> = sqlx::query(HOSTS)
+                .bind(now - PLACEMENT_TIMEOUT_SECONDS)
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(host)
+                .collect::<Result<_>>()?;
+            let placement = match choose(&hosts) {
+                Ok(placement) => placement,
+                Err(refusal) => return Ok(Err(refusal)),
+            };
+            sqlx::query(PLACE)
+                .bind(&id)
+                .bind(&placement.host_id)
+                .bind(signed(placement.memory_mib))
+                .bind(placement.cpu_share)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(Ok((placement, id)))
+        })
     }
 
     /// The create of a placement succeeded at `now`: it counts until the

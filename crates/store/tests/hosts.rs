@@ -17,6 +17,7 @@ cases!(
     placements_count_until_a_later_report,
     dropped_and_abandoned_placements_stop_counting,
     only_stale_hosts_lose_their_sandboxes,
+    two_fronts_placing_at_once_never_overfill_a_host,
 );
 
 fn report(id: &str) -> HostReport {
@@ -221,4 +222,38 @@ async fn only_stale_hosts_lose_their_sandboxes(db: Arc<Db>) {
             .is_empty(),
         "once"
     );
+}
+
+/// Two fronts (two connections to one database), 40 decisions at once, a
+/// host with room for 10 more: exactly 10 are placed. Each decision sees
+/// every placement recorded before it, whichever front made it.
+async fn two_fronts_placing_at_once_never_overfill_a_host(db: Arc<Db>) {
+    let fronts = [db.reopen().await, db.reopen().await];
+    let mut host = report("only");
+    host.sandboxes = 0;
+    host.max_sandboxes = Some(10);
+    fronts[0].report_host(&host, T0).await.unwrap();
+    let decisions = (0..40).map(|n| {
+        let store = fronts[n % 2].clone();
+        async move {
+            store
+                .place(T0 + 1.0, |hosts| {
+                    let h = &hosts[0];
+                    let held = h.report.sandboxes + h.in_flight_sandboxes;
+                    if Some(held) < h.report.max_sandboxes {
+                        Ok(placement(&h.report.id, 256))
+                    } else {
+                        Err("full")
+                    }
+                })
+                .await
+                .unwrap()
+        }
+    });
+    let outcomes = futures::future::join_all(decisions).await;
+    let placed = outcomes.iter().filter(|o| o.is_ok()).count();
+    let refused = outcomes.iter().filter(|o| o.is_err()).count();
+    assert_eq!((placed, refused), (10, 30));
+    let hosts = db.store.hosts(T0 + 1.0).await.unwrap();
+    assert_eq!(hosts[0].in_flight_sandboxes, 10);
 }
