@@ -145,24 +145,13 @@ impl Reporter {
     pub async fn beat(&self) -> Result<(), ReportError> {
         let report = self.measure().await;
         let url = format!("{}/v1/fleet/heartbeat", self.control_plane);
-        let answer = self
+        let request = self
             .http
             .post(&url)
             .bearer_auth(&self.fleet_token)
             .json(&report)
-            .timeout(HEARTBEAT_INTERVAL)
-            .send()
-            .await
-            .map_err(|source| ReportError::Unreachable {
-                url: url.clone(),
-                source,
-            })?;
-        if !answer.status().is_success() {
-            return Err(ReportError::Refused {
-                status: answer.status(),
-                body: answer.text().await.unwrap_or_default(),
-            });
-        }
+            .timeout(HEARTBEAT_INTERVAL);
+        send(request, &url).await?;
         Ok(())
     }
 
@@ -187,13 +176,24 @@ pub async fn fetch_config(
     fleet_token: &str,
 ) -> Result<FleetConfig, ReportError> {
     let url = format!("{}/v1/fleet/config", control_plane.trim_end_matches('/'));
-    let answer = reqwest::Client::new()
-        .get(&url)
-        .bearer_auth(fleet_token)
+    let request = reqwest::Client::new().get(&url).bearer_auth(fleet_token);
+    send(request, &url)
+        .await?
+        .json()
+        .await
+        .map_err(|source| ReportError::Unreachable { url, source })
+}
+
+/// Sends a request to a front; an answer other than 2xx is a refusal.
+async fn send(
+    request: reqwest::RequestBuilder,
+    url: &str,
+) -> Result<reqwest::Response, ReportError> {
+    let answer = request
         .send()
         .await
         .map_err(|source| ReportError::Unreachable {
-            url: url.clone(),
+            url: url.to_owned(),
             source,
         })?;
     if !answer.status().is_success() {
@@ -202,8 +202,5 @@ pub async fn fetch_config(
             body: answer.text().await.unwrap_or_default(),
         });
     }
-    answer
-        .json()
-        .await
-        .map_err(|source| ReportError::Unreachable { url, source })
+    Ok(answer)
 }

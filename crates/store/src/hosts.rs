@@ -92,22 +92,6 @@ impl Store {
         })
     }
 
-    /// Records a create sent to a host; returns the placement's id.
-    pub async fn add_placement(&self, placement: &NewPlacement, now: f64) -> Result<String> {
-        let id = format!("pl_{:016x}", rand::random::<u64>());
-        on_writer!(self, pool => {
-            sqlx::query(PLACE)
-                .bind(&id)
-                .bind(&placement.host_id)
-                .bind(signed(placement.memory_mib))
-                .bind(placement.cpu_share)
-                .bind(now)
-                .execute(pool)
-                .await?;
-        });
-        Ok(id)
-    }
-
     /// One placement decision, atomic across every front of the fleet:
     /// `choose` sees the hosts with the placements counted against them and
     /// returns the placement to record (or why there is none), and no other

@@ -77,18 +77,22 @@ async fn reports_register_then_update(db: Arc<Db>) {
     );
 }
 
+/// Records a placement unconditionally; returns its id.
+async fn add_placement(store: &shoal_store::Store, new: NewPlacement, now: f64) -> String {
+    store
+        .place(now, |_| Ok::<_, ()>(new))
+        .await
+        .unwrap()
+        .unwrap()
+        .1
+}
+
 async fn placements_count_until_a_later_report(db: Arc<Db>) {
     let store = &db.store;
     store.report_host(&report("a"), T0).await.unwrap();
     store.report_host(&report("b"), T0).await.unwrap();
-    let first = store
-        .add_placement(&placement("a", 64), T0 + 1.0)
-        .await
-        .unwrap();
-    let _second = store
-        .add_placement(&placement("a", 100), T0 + 2.0)
-        .await
-        .unwrap();
+    let first = add_placement(store, placement("a", 64), T0 + 1.0).await;
+    let _second = add_placement(store, placement("a", 100), T0 + 2.0).await;
     let hosts = store.hosts(T0 + 2.0).await.unwrap();
     assert_eq!(hosts[0].in_flight_sandboxes, 2);
     assert_eq!(hosts[0].in_flight_memory_mib, 164);
@@ -113,10 +117,7 @@ async fn placements_count_until_a_later_report(db: Arc<Db>) {
 async fn dropped_and_abandoned_placements_stop_counting(db: Arc<Db>) {
     let store = &db.store;
     store.report_host(&report("a"), T0).await.unwrap();
-    let failed = store
-        .add_placement(&placement("a", 64), T0 + 1.0)
-        .await
-        .unwrap();
+    let failed = add_placement(store, placement("a", 64), T0 + 1.0).await;
     store.drop_placement(&failed).await.unwrap();
     assert_eq!(
         store.hosts(T0 + 1.0).await.unwrap()[0].in_flight_sandboxes,
@@ -124,10 +125,7 @@ async fn dropped_and_abandoned_placements_stop_counting(db: Arc<Db>) {
     );
 
     // A create whose control plane died never reports back.
-    store
-        .add_placement(&placement("a", 64), T0 + 2.0)
-        .await
-        .unwrap();
+    add_placement(store, placement("a", 64), T0 + 2.0).await;
     let later = T0 + 2.0 + PLACEMENT_TIMEOUT_SECONDS;
     assert_eq!(store.hosts(later).await.unwrap()[0].in_flight_sandboxes, 1);
     assert_eq!(
