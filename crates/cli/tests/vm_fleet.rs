@@ -4,7 +4,8 @@
 //! issue asks of a fleet, against real VMs:
 //!
 //! - 30 creates through the front spread over the three hosts, none holding
-//!   more than 15;
+//!   more than 15; requests about a sandbox reach its host, and a fork goes
+//!   to its parent's host;
 //! - `kill -9` of one agent: its sandboxes are `lost` within 40 s, a fork of
 //!   one is refused (503 `sandbox host unavailable`, Retry-After 15), new
 //!   creates go to the other two, and no row of theirs changes;
@@ -382,6 +383,31 @@ fn three_hosts_spread_lose_one_and_fill_up() {
             (status, answer["stdout"].as_str()),
             (200, Some(&*format!("{}\n", ids[0])))
         );
+
+        // A fork goes to its parent's host.
+        let (status, _, child) = api
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{}/fork", ids[0]),
+                None,
+            )
+            .await;
+        assert_eq!(status, 201, "{child}");
+        let child = child["id"].as_str().unwrap().to_owned();
+        let child_home = homes(&store, std::slice::from_ref(&child)).await;
+        assert_eq!(
+            child_home.get(&child),
+            placed.get(&ids[0]),
+            "{child_home:?}"
+        );
+        let (status, _, _) = api
+            .call(
+                reqwest::Method::DELETE,
+                &format!("/v1/sandboxes/{child}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, 204);
 
         // kill -9 of host-0's agent.
         let victim = "host-0";

@@ -150,7 +150,8 @@ impl Server {
         cells
     }
 
-    /// No VM left on the host, and every sandbox row of the sweep deleted.
+    /// No VM left on the host, and every sandbox row of the sweep deleted
+    /// (a delete kills the VM, then writes the row: both are waited for).
     async fn assert_nothing_left(&self, sweep: &str) {
         let gone = shoal_testkit::wait_until(Duration::from_secs(15), || async {
             self.host.engine().list().await.is_empty()
@@ -161,7 +162,19 @@ impl Server {
             "sandboxes left: {:?}",
             self.host.engine().list().await
         );
-        let usage = self.get(&format!("/v1/usage?metadata=sweep={sweep}")).await;
+        let path = format!("/v1/usage?metadata=sweep={sweep}");
+        let all_deleted = |usage: &Value| {
+            usage["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|item| item["status"] == "deleted")
+        };
+        shoal_testkit::wait_until(Duration::from_secs(5), || async {
+            all_deleted(&self.get(&path).await)
+        })
+        .await;
+        let usage = self.get(&path).await;
         for item in usage["items"].as_array().unwrap() {
             assert_eq!(item["status"], "deleted", "{item}");
         }
