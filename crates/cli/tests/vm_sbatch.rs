@@ -110,7 +110,11 @@ fn token(database_url: &str, state: &Path) -> String {
         .arg(state)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout)
         .unwrap()
         .trim()
@@ -177,22 +181,38 @@ impl User {
 
     /// `sacct -j ID -P` with the fields, as rows of cells (header first).
     fn sacct(&self, job: u64, format: &str) -> Vec<Vec<String>> {
-        self.ok(&["sacct", "-j", &job.to_string(), "-P", &format!("--format={format}")])
-            .lines()
-            .map(|l| l.split('|').map(str::to_owned).collect())
-            .collect()
+        self.ok(&[
+            "sacct",
+            "-j",
+            &job.to_string(),
+            "-P",
+            &format!("--format={format}"),
+        ])
+        .lines()
+        .map(|l| l.split('|').map(str::to_owned).collect())
+        .collect()
     }
 
     /// Waits until every task of `job` is in one of `states` (sacct).
-    fn wait_states(&self, job: u64, count: usize, states: &[&str], limit: Duration) -> Vec<Vec<String>> {
+    fn wait_states(
+        &self,
+        job: u64,
+        count: usize,
+        states: &[&str],
+        limit: Duration,
+    ) -> Vec<Vec<String>> {
         let deadline = Instant::now() + limit;
         loop {
             let rows = self.sacct(job, "JobID,JobName,State,ExitCode,Elapsed,CPUTime,Cost");
-            let done = rows.len() == count + 1 && rows[1..].iter().all(|r| states.contains(&r[2].as_str()));
+            let done = rows.len() == count + 1
+                && rows[1..].iter().all(|r| states.contains(&r[2].as_str()));
             if done {
                 return rows;
             }
-            assert!(Instant::now() < deadline, "job {job} never reached {states:?}: {rows:?}");
+            assert!(
+                Instant::now() < deadline,
+                "job {job} never reached {states:?}: {rows:?}"
+            );
             std::thread::sleep(Duration::from_millis(500));
         }
     }
@@ -215,7 +235,11 @@ fn wait_for_file(path: &Path, limit: Duration) -> String {
         if let Ok(text) = std::fs::read_to_string(path) {
             return text;
         }
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
         std::thread::sleep(Duration::from_millis(300));
     }
 }
@@ -265,29 +289,53 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
 
     // Refusals: a message that says why, a failure, and nothing created.
     for (name, text, expect) in [
-        ("nodes.sh", "#!/bin/bash\n#SBATCH --nodes=2\necho hi\n", "--nodes"),
-        ("gpu.sh", "#!/bin/bash\n#SBATCH --gres=gpu:1\necho hi\n", "gpu"),
-        ("mpi.sh", "#!/bin/bash\n#SBATCH -n 4\nsrun --mpi=pmix ./solver\n", "mpi"),
+        (
+            "nodes.sh",
+            "#!/bin/bash\n#SBATCH --nodes=2\necho hi\n",
+            "--nodes",
+        ),
+        (
+            "gpu.sh",
+            "#!/bin/bash\n#SBATCH --gres=gpu:1\necho hi\n",
+            "gpu",
+        ),
+        (
+            "mpi.sh",
+            "#!/bin/bash\n#SBATCH -n 4\nsrun --mpi=pmix ./solver\n",
+            "mpi",
+        ),
     ] {
         user.write(name, text);
         let out = user.shoal(&["sbatch", name]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{name} was accepted");
-        assert!(stderr.contains("cannot run on Shoal") && stderr.contains(expect), "{name}: {stderr}");
+        assert!(
+            stderr.contains("cannot run on Shoal") && stderr.contains(expect),
+            "{name}: {stderr}"
+        );
         println!("refused {name}: {}", stderr.trim());
     }
     // A command-line option overrides the script's, refusals included.
     user.write("ok.sh", "#!/bin/bash\n#SBATCH --nodes=1\necho hi\n");
     let out = user.shoal(&["sbatch", "--nodes=3", "ok.sh"]);
-    assert!(!out.status.success(), "--nodes=3 on the command line was accepted");
+    assert!(
+        !out.status.success(),
+        "--nodes=3 on the command line was accepted"
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("--nodes"));
-    assert!(sweeps_of(&user.api, &user.token).await.is_empty(), "a refused job created a sweep");
+    assert!(
+        sweeps_of(&user.api, &user.token).await.is_empty(),
+        "a refused job created a sweep"
+    );
 
     // The array job, unchanged, plus a dependent job and a failing one.
     user.write("job.sh", ARRAY_SCRIPT);
     let started = Instant::now();
     let (job, stderr) = user.sbatch(&["job.sh"]);
-    assert!(stderr.contains("module load python/3.11"), "module line not reported: {stderr}");
+    assert!(
+        stderr.contains("module load python/3.11"),
+        "module line not reported: {stderr}"
+    );
     user.write("after.sh", AFTER_SCRIPT);
     let (after, _) = user.sbatch(&[&format!("--dependency=afterok:{job}"), "after.sh"]);
     user.write("fail.sh", FAIL_SCRIPT);
@@ -309,7 +357,8 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
         if !running.is_empty() && running.iter().all(|l| l.contains("sb_")) && saw.is_empty() {
             saw = q.clone();
             assert!(
-                q.lines().any(|l| l.contains(&after.to_string()) && l.contains("(Dependency)")),
+                q.lines()
+                    .any(|l| l.contains(&after.to_string()) && l.contains("(Dependency)")),
                 "the dependent job is not shown pending on its dependency:\n{q}"
             );
         }
@@ -320,7 +369,10 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
         std::thread::sleep(Duration::from_millis(500));
     }
     println!("squeue while running:\n{saw}");
-    assert!(!saw.is_empty(), "squeue never showed a running task with its sandbox");
+    assert!(
+        !saw.is_empty(),
+        "squeue never showed a running task with its sandbox"
+    );
     assert!(max_running <= 3, "more than 3 tasks ran at once");
 
     let templates: Value = http
@@ -342,15 +394,29 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
 
     // sacct: every task COMPLETED, exit 0:0, elapsed ≥ the 4 s sleep, a cost.
     let rows = user.wait_states(job, 6, &["COMPLETED"], Duration::from_secs(60));
-    println!("array done in {:.1} s\n{}", started.elapsed().as_secs_f64(), rows.iter().map(|r| r.join("|")).collect::<Vec<_>>().join("\n"));
-    assert_eq!(rows[0], ["JobID", "JobName", "State", "ExitCode", "Elapsed", "CPUTime", "Cost"]);
+    println!(
+        "array done in {:.1} s\n{}",
+        started.elapsed().as_secs_f64(),
+        rows.iter()
+            .map(|r| r.join("|"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(
+        rows[0],
+        ["JobID", "JobName", "State", "ExitCode", "Elapsed", "CPUTime", "Cost"]
+    );
     for (i, row) in rows[1..].iter().enumerate() {
         let task = i + 1;
         assert_eq!(row[0], format!("{job}_{task}"));
         assert_eq!(row[1], "sim");
         assert_eq!(row[3], "0:0");
         assert!((4..120).contains(&seconds(&row[4])), "elapsed {row:?}");
-        assert_eq!(seconds(&row[5]), seconds(&row[4]) * vcpus, "CPUTime is Elapsed times the vCPUs: {row:?}");
+        assert_eq!(
+            seconds(&row[5]),
+            seconds(&row[4]) * vcpus,
+            "CPUTime is Elapsed times the vCPUs: {row:?}"
+        );
         let cost: f64 = row[6].parse().unwrap_or_else(|_| panic!("cost {row:?}"));
         assert!(cost > 0.0, "{row:?}");
     }
@@ -358,27 +424,42 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
     // Output files: Slurm's names, each task's own output then its stderr;
     // the results the tasks wrote, back in the submit directory.
     for task in 1..=6u64 {
-        let log = wait_for_file(&submit.join(format!("logs/sim_{job}_{task}.out")), Duration::from_secs(60));
+        let log = wait_for_file(
+            &submit.join(format!("logs/sim_{job}_{task}.out")),
+            Duration::from_secs(60),
+        );
         let task_job = job + task - 1;
         assert_eq!(
             log,
             format!("task {task} of 6 job {task_job} array {job} name sim\nnote from {task}\n"),
             "task {task}"
         );
-        let result = wait_for_file(&submit.join(format!("results/{task}.txt")), Duration::from_secs(10));
+        let result = wait_for_file(
+            &submit.join(format!("results/{task}.txt")),
+            Duration::from_secs(10),
+        );
         assert_eq!(result.trim(), (task * task).to_string());
     }
 
     // The dependent job ran after, and its output file is named by %j.
     user.wait_states(after, 1, &["COMPLETED"], Duration::from_secs(180));
-    assert_eq!(wait_for_file(&submit.join(format!("after-{after}.log")), Duration::from_secs(60)), "after ran\n");
+    assert_eq!(
+        wait_for_file(
+            &submit.join(format!("after-{after}.log")),
+            Duration::from_secs(60)
+        ),
+        "after ran\n"
+    );
 
     // The failing job: FAILED 3:0; not an array, so no array variables and
     // Slurm's slurm-%j.out.
     let rows = user.wait_states(fail, 1, &["FAILED"], Duration::from_secs(180));
     assert_eq!(rows[1][0], fail.to_string());
     assert_eq!(rows[1][3], "3:0");
-    let log = wait_for_file(&submit.join(format!("slurm-{fail}.out")), Duration::from_secs(60));
+    let log = wait_for_file(
+        &submit.join(format!("slurm-{fail}.out")),
+        Duration::from_secs(60),
+    );
     assert_eq!(log, format!("array=none job={fail}\nbad input\n"));
 
     // scancel: one task of a running array, then the whole job.
@@ -387,33 +468,63 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let q = user.ok(&["squeue", "-j", &long.to_string()]);
-        if q.lines().filter(|l| l.split_whitespace().nth(4) == Some("R")).count() == 2 {
+        if q.lines()
+            .filter(|l| l.split_whitespace().nth(4) == Some("R"))
+            .count()
+            == 2
+        {
             break;
         }
-        assert!(Instant::now() < deadline, "the long job never ran 2 tasks:\n{q}");
+        assert!(
+            Instant::now() < deadline,
+            "the long job never ran 2 tasks:\n{q}"
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
     user.ok(&["scancel", &format!("{long}_1")]);
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let rows = user.sacct(long, "JobID,State");
-        let task1 = rows.iter().find(|r| r[0] == format!("{long}_1")).unwrap().clone();
+        let task1 = rows
+            .iter()
+            .find(|r| r[0] == format!("{long}_1"))
+            .unwrap()
+            .clone();
         if task1[1] == "CANCELLED" {
-            let others: Vec<&str> = rows[1..].iter().filter(|r| r[0] != task1[0]).map(|r| r[1].as_str()).collect();
-            assert!(others.iter().all(|s| *s == "RUNNING" || *s == "PENDING"), "{rows:?}");
+            let others: Vec<&str> = rows[1..]
+                .iter()
+                .filter(|r| r[0] != task1[0])
+                .map(|r| r[1].as_str())
+                .collect();
+            assert!(
+                others.iter().all(|s| *s == "RUNNING" || *s == "PENDING"),
+                "{rows:?}"
+            );
             break;
         }
-        assert!(Instant::now() < deadline, "{long}_1 was not cancelled: {rows:?}");
+        assert!(
+            Instant::now() < deadline,
+            "{long}_1 was not cancelled: {rows:?}"
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
     user.ok(&["scancel", &long.to_string()]);
     let rows = user.wait_states(long, 4, &["CANCELLED"], Duration::from_secs(120));
-    println!("after scancel:\n{}", rows.iter().map(|r| r.join("|")).collect::<Vec<_>>().join("\n"));
+    println!(
+        "after scancel:\n{}",
+        rows.iter()
+            .map(|r| r.join("|"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     let q = user.ok(&["squeue"]);
     assert_eq!(q.lines().count(), 1, "squeue still shows jobs:\n{q}");
 
     // Nothing left running.
-    let gone = shoal_testkit::wait_until(Duration::from_secs(60), || async { vms_of(&state).is_empty() }).await;
+    let gone = shoal_testkit::wait_until(Duration::from_secs(60), || async {
+        vms_of(&state).is_empty()
+    })
+    .await;
     assert!(gone, "VMs left after every job ended");
     drop(up);
     let _ = std::fs::remove_dir_all(&state);
@@ -434,7 +545,9 @@ fn slurm_scripts_run_unchanged_on_postgres() {
     let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     shoal_testkit::block_on(async {
         let Some(db) = shoal_testkit::TestDb::postgres().await else {
-            eprintln!("skipped: SHOAL_TEST_DATABASE_URL is not set (run under scripts/with-postgres)");
+            eprintln!(
+                "skipped: SHOAL_TEST_DATABASE_URL is not set (run under scripts/with-postgres)"
+            );
             return;
         };
         slurm_scripts_run_unchanged(&db.url, shoal_testkit::state_dir("vm_sbatch_pg")).await;

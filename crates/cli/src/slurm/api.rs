@@ -31,7 +31,12 @@ impl Api {
         })
     }
 
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<&Value>) -> Result<Value> {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value> {
         let url = format!("{}{path}", self.base);
         let mut request = self.http.request(method, &url).bearer_auth(&self.token);
         if let Some(body) = body {
@@ -56,17 +61,23 @@ impl Api {
 
     /// `[{name, cpu, memory_mb}...]`, the templates this API can run.
     pub async fn templates(&self) -> Result<Vec<Value>> {
-        let v = self.call(reqwest::Method::GET, "/v1/templates", None).await?;
+        let v = self
+            .call(reqwest::Method::GET, "/v1/templates", None)
+            .await?;
         Ok(v["items"].as_array().cloned().unwrap_or_default())
     }
 
     pub async fn create_sweep(&self, body: &Value) -> Result<Value> {
-        self.call(reqwest::Method::POST, "/v1/sweeps", Some(body)).await
+        self.call(reqwest::Method::POST, "/v1/sweeps", Some(body))
+            .await
     }
 
     /// One sweep by id or job id; `None` when the API does not know it.
     pub async fn sweep(&self, id: &str) -> Result<Option<Value>> {
-        match self.call(reqwest::Method::GET, &format!("/v1/sweeps/{id}"), None).await {
+        match self
+            .call(reqwest::Method::GET, &format!("/v1/sweeps/{id}"), None)
+            .await
+        {
             Ok(v) => Ok(Some(v)),
             Err(e) if e.to_string().starts_with("404") => Ok(None),
             Err(e) => Err(e),
@@ -102,8 +113,12 @@ impl Api {
 
     /// One cell with its whole output and collected files.
     pub async fn cell(&self, id: &str, index: u64) -> Result<Value> {
-        self.call(reqwest::Method::GET, &format!("/v1/sweeps/{id}/cells/{index}"), None)
-            .await
+        self.call(
+            reqwest::Method::GET,
+            &format!("/v1/sweeps/{id}/cells/{index}"),
+            None,
+        )
+        .await
     }
 
     /// Cancels the whole sweep, or only the cells at `indexes`.

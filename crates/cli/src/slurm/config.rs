@@ -64,7 +64,10 @@ impl Config {
     /// The API's base URL without a trailing `/` or `/v1`.
     pub fn base_url(&self) -> Result<String> {
         let Some(api) = &self.api else {
-            bail!("no API address: set SHOAL_API (or PANDASTACK_API), or \"api\" in {}", shown_path())
+            bail!(
+                "no API address: set SHOAL_API (or PANDASTACK_API), or \"api\" in {}",
+                shown_path()
+            )
         };
         let trimmed = api.trim_end_matches('/');
         Ok(trimmed.strip_suffix("/v1").unwrap_or(trimmed).to_owned())

@@ -190,8 +190,16 @@ fn write_task(sweep: &Value, cell: &Value) -> Result<()> {
     // slurmstepd's own line, which Slurm writes to the task's stderr.
     let state = cell["state"].as_str().unwrap_or("");
     if state == "timeout" || state == "cancelled" {
-        let due = if state == "timeout" { " DUE TO TIME LIMIT" } else { "" };
-        let at = cell["finished_at"].as_str().unwrap_or("").get(..19).unwrap_or("");
+        let due = if state == "timeout" {
+            " DUE TO TIME LIMIT"
+        } else {
+            ""
+        };
+        let at = cell["finished_at"]
+            .as_str()
+            .unwrap_or("")
+            .get(..19)
+            .unwrap_or("");
         stderr.push_str(&format!(
             "slurmstepd: error: *** JOB {} ON {} CANCELLED AT {at}{due} ***\n",
             ctx.job_id, ctx.node
@@ -244,7 +252,10 @@ mod tests {
     #[test]
     fn collected_files_stay_inside_the_work_dir() {
         let w = Path::new("/home/a/run");
-        assert_eq!(local_path(w, "/home/a/run/out/1.txt"), Some(w.join("out/1.txt")));
+        assert_eq!(
+            local_path(w, "/home/a/run/out/1.txt"),
+            Some(w.join("out/1.txt"))
+        );
         assert_eq!(local_path(w, "/etc/passwd"), None);
         assert_eq!(local_path(w, "/home/a/run/../x"), None);
     }
@@ -262,7 +273,10 @@ mod tests {
         write_task(&sweep, &cell).unwrap();
         let log = std::fs::read_to_string(dir.join("logs/sim_1000_2.out")).unwrap();
         assert_eq!(log, "out\nerr\n");
-        assert_eq!(std::fs::read_to_string(dir.join("res/2.txt")).unwrap(), "42");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("res/2.txt")).unwrap(),
+            "42"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -48,10 +48,28 @@ pub struct Invocation {
 /// Long options that take no value (every other long option does, unless
 /// written `--opt=value`).
 const LONG_FLAGS: &[&str] = &[
-    "requeue", "no-requeue", "parsable", "wait", "quiet", "verbose", "test-only",
-    "ignore-pbs", "reboot", "hold", "oversubscribe", "overcommit", "contiguous",
-    "spread-job", "use-min-nodes", "exclusive", "get-user-env", "propagate", "nice",
-    "no-kill", "kill-command", "requeue-hold",
+    "requeue",
+    "no-requeue",
+    "parsable",
+    "wait",
+    "quiet",
+    "verbose",
+    "test-only",
+    "ignore-pbs",
+    "reboot",
+    "hold",
+    "oversubscribe",
+    "overcommit",
+    "contiguous",
+    "spread-job",
+    "use-min-nodes",
+    "exclusive",
+    "get-user-env",
+    "propagate",
+    "nice",
+    "no-kill",
+    "kill-command",
+    "requeue-hold",
 ];
 /// Short options that take no value (sbatch's getopt string).
 const SHORT_FLAGS: &str = "HsObhIQuvVWk";
@@ -172,7 +190,12 @@ pub fn choose_template(
         return Ok(((*t).clone(), None));
     }
     let t = find(default)
-        .or_else(|| templates.iter().max_by_key(|t| (t.cpus, t.memory_mib)).cloned())
+        .or_else(|| {
+            templates
+                .iter()
+                .max_by_key(|t| (t.cpus, t.memory_mib))
+                .cloned()
+        })
         .context("the API has no template ready")?;
     let warning = format!(
         "no template has {}; running on {} ({} vCPU(s), {} MiB)",
@@ -265,7 +288,9 @@ pub fn sweep_request(
     let d = &script.directives;
     let name = d.job_name_or_default(script_path);
     let work = work_dir(d, &who.submit_dir);
-    let work_s = work.to_str().context("the working directory is not UTF-8")?;
+    let work_s = work
+        .to_str()
+        .context("the working directory is not UTF-8")?;
     let timeout = match d.time {
         Some(TimeLimit::Unlimited) => UNLIMITED_TIME_SECONDS,
         Some(TimeLimit::Limit(_)) => d
@@ -344,8 +369,9 @@ pub fn read_script(text: &str, options: &[String]) -> Result<BatchScript> {
 pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
     let inv = split_args(args);
     let text = match &inv.script {
-        Some(path) => std::fs::read_to_string(path)
-            .with_context(|| format!("Unable to open file {path}"))?,
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("Unable to open file {path}"))?
+        }
         None => {
             let mut s = String::new();
             std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
@@ -415,7 +441,16 @@ mod tests {
     #[test]
     fn splits_options_script_and_its_arguments() {
         let inv = split_args(&strings(&[
-            "-t", "10", "--array=1-3", "--requeue", "-J", "x", "--wait", "job.sh", "-a", "b",
+            "-t",
+            "10",
+            "--array=1-3",
+            "--requeue",
+            "-J",
+            "x",
+            "--wait",
+            "job.sh",
+            "-a",
+            "b",
         ]));
         assert_eq!(
             inv.options,
@@ -431,9 +466,21 @@ mod tests {
 
     fn templates() -> Vec<Template> {
         vec![
-            Template { name: "code-interpreter".into(), cpus: 1, memory_mib: 512 },
-            Template { name: "big".into(), cpus: 4, memory_mib: 4096 },
-            Template { name: "mid".into(), cpus: 2, memory_mib: 2048 },
+            Template {
+                name: "code-interpreter".into(),
+                cpus: 1,
+                memory_mib: 512,
+            },
+            Template {
+                name: "big".into(),
+                cpus: 4,
+                memory_mib: 4096,
+            },
+            Template {
+                name: "mid".into(),
+                cpus: 2,
+                memory_mib: 2048,
+            },
         ]
     }
 
@@ -460,13 +507,18 @@ mod tests {
         config.partitions.insert("short".into(), "mid".into());
         let (t, w) = choose_template(&directives(&["-p", "short"]), &templates(), &config).unwrap();
         assert_eq!((t.name.as_str(), w), ("mid", None));
-        let (t, w) =
-            choose_template(&directives(&["-p", "short", "-c", "4"]), &templates(), &config)
-                .unwrap();
+        let (t, w) = choose_template(
+            &directives(&["-p", "short", "-c", "4"]),
+            &templates(),
+            &config,
+        )
+        .unwrap();
         assert_eq!(t.name, "mid");
         assert!(w.unwrap().contains("partition short"));
         let e = choose_template(&directives(&["-p", "gpu"]), &templates(), &config).unwrap_err();
-        assert!(e.to_string().contains("invalid partition name specified: gpu"));
+        assert!(e
+            .to_string()
+            .contains("invalid partition name specified: gpu"));
     }
 
     #[test]
@@ -482,7 +534,8 @@ mod tests {
             host: "h".into(),
         };
         let t = &templates()[0];
-        let body = sweep_request(&script, Some("job.sh"), &[], t, &who, &Config::default()).unwrap();
+        let body =
+            sweep_request(&script, Some("job.sh"), &[], t, &who, &Config::default()).unwrap();
         assert_eq!(body["cells"], json!([1, 2, 3, 4, 5, 6]));
         assert_eq!(body["throttle"], 3);
         assert_eq!(body["timeout_seconds"], 120, "1:30 rounds up to 2 minutes");
@@ -492,7 +545,15 @@ mod tests {
         assert_eq!(body["slurm"]["array"], "1-6%3");
 
         let single = read_script("#!/bin/sh\necho\n", &[]).unwrap();
-        let body = sweep_request(&single, Some("a/b.sh"), &strings(&["it's"]), t, &who, &Config::default()).unwrap();
+        let body = sweep_request(
+            &single,
+            Some("a/b.sh"),
+            &strings(&["it's"]),
+            t,
+            &who,
+            &Config::default(),
+        )
+        .unwrap();
         assert_eq!(body["cells"], json!([0]));
         assert_eq!(body["slurm"]["array"], Value::Null);
         assert_eq!(body["name"], "b.sh");
@@ -505,7 +566,10 @@ mod tests {
         let e = read_script("echo hi\n", &[]).unwrap_err();
         assert!(e.to_string().contains("#!"));
         let s = read_script("#!/bin/sh\n#SBATCH -d afterany:5\ntrue\n", &[]).unwrap();
-        assert!(after_ok(&s.directives).unwrap_err().to_string().contains("only afterok"));
+        assert!(after_ok(&s.directives)
+            .unwrap_err()
+            .to_string()
+            .contains("only afterok"));
         let e = read_script("#!/bin/sh\n#SBATCH --nodes=2\ntrue\n", &[]).unwrap_err();
         assert!(e.to_string().contains("cannot run on Shoal"), "{e}");
     }

@@ -76,11 +76,15 @@ pub fn records(sweep: &Value, cells: &[Value], vcpus: &BTreeMap<String, u32>) ->
                 job_id: cell["job_id"].as_u64().unwrap_or(0),
                 array_job_id: is_array.then(|| sweep["job_id"].as_u64().unwrap_or(0)),
                 task_id: if is_array {
-                    cell["value"].as_str().and_then(|v| v.parse().ok()).or(cell["index"].as_u64().map(|i| i as u32))
+                    cell["value"]
+                        .as_str()
+                        .and_then(|v| v.parse().ok())
+                        .or(cell["index"].as_u64().map(|i| i as u32))
                 } else {
                     None
                 },
-                name: text("job_name").unwrap_or_else(|| sweep["name"].as_str().unwrap_or("").into()),
+                name: text("job_name")
+                    .unwrap_or_else(|| sweep["name"].as_str().unwrap_or("").into()),
                 user: text("user").unwrap_or_default(),
                 partition: text("partition").unwrap_or_else(|| template.clone()),
                 account: text("account"),
@@ -187,7 +191,12 @@ pub async fn sacct(api: &Api, args: &SacctArgs) -> Result<()> {
             }
         }
     }
-    for arg in args.jobs.iter().flat_map(|j| j.split(',')).filter(|j| !j.is_empty()) {
+    for arg in args
+        .jobs
+        .iter()
+        .flat_map(|j| j.split(','))
+        .filter(|j| !j.is_empty())
+    {
         let job = shoal_slurm::parse_job_ref(arg)?;
         let Some((sweep, index)) = resolve(api, job.job_id).await? else {
             continue; // sacct prints nothing for an unknown job
@@ -225,14 +234,18 @@ pub async fn scancel(api: &Api, targets: &[String]) -> Result<()> {
         let refs = shoal_slurm::parse_job_refs(target)?;
         let Some(first) = refs.first() else { continue };
         let Some((sweep, own_index)) = resolve(api, first.job_id).await? else {
-            eprintln!("scancel: error: Kill job error on job id {target}: Invalid job id specified");
+            eprintln!(
+                "scancel: error: Kill job error on job id {target}: Invalid job id specified"
+            );
             failed = true;
             continue;
         };
         let id = sweep["id"].as_str().unwrap_or("").to_owned();
         let tasks: Vec<u32> = refs.iter().filter_map(|r| r.task_id).collect();
         if tasks.is_empty() && own_index.is_none() {
-            api.cancel(&id, None).await.with_context(|| format!("cancelling job {target}"))?;
+            api.cancel(&id, None)
+                .await
+                .with_context(|| format!("cancelling job {target}"))?;
             continue;
         }
         let indexes: Vec<u64> = if tasks.is_empty() {
@@ -241,7 +254,10 @@ pub async fn scancel(api: &Api, targets: &[String]) -> Result<()> {
             let cells = api.cells(&id).await?;
             let mut found = Vec::new();
             for t in &tasks {
-                match cells.iter().find(|c| c["value"].as_str() == Some(&t.to_string())) {
+                match cells
+                    .iter()
+                    .find(|c| c["value"].as_str() == Some(&t.to_string()))
+                {
                     Some(c) => found.push(c["index"].as_u64().unwrap_or(0)),
                     None => {
                         eprintln!(
