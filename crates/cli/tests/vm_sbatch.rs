@@ -354,7 +354,7 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
             .filter(|l| l.contains(&format!("{job}_")) && l.split_whitespace().nth(4) == Some("R"))
             .collect();
         max_running = max_running.max(running.len());
-        if !running.is_empty() && running.iter().all(|l| l.contains("sb_")) && saw.is_empty() {
+        if !running.is_empty() && running.iter().all(|l| l.contains("sb-")) && saw.is_empty() {
             saw = q.clone();
             assert!(
                 q.lines()
