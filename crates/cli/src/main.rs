@@ -7,6 +7,7 @@
 mod bench;
 mod bench_fleet;
 mod fleet;
+mod slurm;
 mod up;
 
 use anyhow::{Context, Result};
@@ -99,6 +100,17 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// Submit a Slurm batch script as a job on the fleet (docs/SLURM.md).
+    Sbatch(slurm::SbatchArgs),
+    /// Pending and running jobs, as Slurm's squeue.
+    Squeue(slurm::SqueueArgs),
+    /// Accounting of jobs: state, exit code, elapsed, CPU time, cost.
+    Sacct(slurm::SacctArgs),
+    /// Cancel jobs or array tasks: ID, ID_TASK, ID_[TASKS].
+    Scancel(slurm::ScancelArgs),
+    /// Write finished tasks' output files here (sbatch's follower does it
+    /// in the background).
+    Sync(slurm::SyncArgs),
     /// Measure the engine and write a JSON report.
     Bench {
         #[command(subcommand)]
@@ -303,6 +315,11 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             up::token(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
+        Command::Sbatch(args) => slurm::sbatch(args).await,
+        Command::Squeue(args) => slurm::squeue(args).await,
+        Command::Sacct(args) => slurm::sacct(args).await,
+        Command::Scancel(args) => slurm::scancel(args).await,
+        Command::Sync(args) => slurm::sync(args).await,
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {

@@ -487,6 +487,15 @@ async fn run_attempt(
     };
     cp.runner.clear_backoff();
     timings.create = ms(started);
+    // Where the cell runs, visible while it runs (squeue's NODELIST). Not
+    // worth failing the attempt over: the outcome records it again.
+    if let Err(e) = cp
+        .store
+        .set_cell_sandbox(&claim.sweep_id, claim.idx, &claim.claim_id, &sandbox)
+        .await
+    {
+        tracing::warn!(error = %e, "recording a cell's sandbox");
+    }
     // From here on the sandbox exists: whatever happens, it is deleted.
     let guard = SandboxGuard {
         cp: cp.clone(),
@@ -744,13 +753,16 @@ fn cell_environment(info: &SweepInfo, claim: &Claim, sandbox: &str) -> BTreeMap<
     } else {
         claim.idx
     };
+    // A Slurm job submitted without --array (its `slurm.array` null or
+    // absent) is not an array in Slurm: its task gets no array variables.
+    // A sweep with no `slurm` object at all is an array of its cells.
+    let is_array = match &slurm {
+        Value::Object(map) => map.get("array").is_some_and(|a| !a.is_null()),
+        _ => true,
+    };
     let task = shoal_slurm::TaskDescription {
         job_id: sweep.job_id + u64::from(claim.idx),
-        array: Some(shoal_slurm::ArrayTask::new(
-            sweep.job_id,
-            task_id,
-            &info.array,
-        )),
+        array: is_array.then(|| shoal_slurm::ArrayTask::new(sweep.job_id, task_id, &info.array)),
         job_name: text("job_name").unwrap_or_else(|| sweep.name.clone()),
         user: text("user").unwrap_or_else(|| info.account.name.clone()),
         partition: text("partition"),

@@ -218,6 +218,10 @@ const RENEW: &str = "UPDATE sweep_cells SET lease_expires_at = $4 \
      WHERE sweep_id = $1 AND idx = $2 AND claim_id = $3 AND state = 'running' \
      RETURNING (SELECT state FROM sweeps WHERE id = $1) AS sweep_state, cancel_requested";
 
+/// Notes a running attempt's sandbox, fenced by the claim.
+const SET_SANDBOX: &str = "UPDATE sweep_cells SET sandbox_id = $4 \
+     WHERE sweep_id = $1 AND idx = $2 AND claim_id = $3 AND state = 'running'";
+
 /// The state a finished attempt leaves the cell in ($4: the attempt's end),
 /// with `s` the sweep's state and attempt limit. See the module's table.
 macro_rules! finish_state {
@@ -710,6 +714,29 @@ impl Store {
             }
             Some(_) => Renewal::Renewed,
         })
+    }
+
+    /// Records the sandbox an attempt under `claim_id` runs in, while that
+    /// claim holds (so a running cell shows where it runs: squeue's
+    /// NODELIST). False if the claim was lost; nothing changed then.
+    pub async fn set_cell_sandbox(
+        &self,
+        sweep_id: &str,
+        idx: u32,
+        claim_id: &str,
+        sandbox_id: &str,
+    ) -> Result<bool> {
+        let done = on_writer!(self, pool => {
+            sqlx::query(SET_SANDBOX)
+                .bind(sweep_id)
+                .bind(i64::from(idx))
+                .bind(claim_id)
+                .bind(sandbox_id)
+                .execute(pool)
+                .await?
+                .rows_affected()
+        });
+        Ok(done > 0)
     }
 
     /// Records the outcome of the attempt under `claim_id`, if that claim

@@ -1,0 +1,134 @@
+//! The few API calls the Slurm commands make: templates, sweeps, cells,
+//! cancel. Answers are kept as JSON; the views and the follower read the
+//! fields they need (the contract is docs/api/SWEEPS.md).
+//!
+//! Owns: HTTP, the bearer token, turning a non-2xx into an error carrying
+//! the API's own `error` message, paging through cells.
+//! May not: decide anything about jobs.
+
+use anyhow::{anyhow, Context, Result};
+use serde_json::{json, Value};
+
+use super::config::Config;
+
+/// Cells per page (the API's maximum).
+const PAGE: usize = 1000;
+
+pub struct Api {
+    http: reqwest::Client,
+    base: String,
+    token: String,
+}
+
+impl Api {
+    pub fn new(config: &Config) -> Result<Api> {
+        Ok(Api {
+            http: reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(60))
+                .build()?,
+            base: config.base_url()?,
+            token: config.token()?,
+        })
+    }
+
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value> {
+        let url = format!("{}{path}", self.base);
+        let mut request = self.http.request(method, &url).bearer_auth(&self.token);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = request
+            .send()
+            .await
+            .with_context(|| format!("calling {url}"))?;
+        let status = response.status();
+        let text = response.text().await.unwrap_or_default();
+        let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        if !status.is_success() {
+            let message = value["error"]
+                .as_str()
+                .map(str::to_owned)
+                .unwrap_or_else(|| text.trim().to_owned());
+            return Err(anyhow!("{status}: {message}"));
+        }
+        Ok(value)
+    }
+
+    /// `[{name, cpu, memory_mb}...]`, the templates this API can run.
+    pub async fn templates(&self) -> Result<Vec<Value>> {
+        let v = self
+            .call(reqwest::Method::GET, "/v1/templates", None)
+            .await?;
+        Ok(v["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    pub async fn create_sweep(&self, body: &Value) -> Result<Value> {
+        self.call(reqwest::Method::POST, "/v1/sweeps", Some(body))
+            .await
+    }
+
+    /// One sweep by id or job id; `None` when the API does not know it.
+    pub async fn sweep(&self, id: &str) -> Result<Option<Value>> {
+        match self
+            .call(reqwest::Method::GET, &format!("/v1/sweeps/{id}"), None)
+            .await
+        {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.to_string().starts_with("404") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every sweep of the caller, newest first.
+    pub async fn sweeps(&self) -> Result<Vec<Value>> {
+        let v = self.call(reqwest::Method::GET, "/v1/sweeps", None).await?;
+        Ok(v["sweeps"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Every cell of a sweep, in index order (outputs cut to their tails).
+    pub async fn cells(&self, id: &str) -> Result<Vec<Value>> {
+        let mut all = Vec::new();
+        loop {
+            let v = self
+                .call(
+                    reqwest::Method::GET,
+                    &format!("/v1/sweeps/{id}/cells?offset={}&limit={PAGE}", all.len()),
+                    None,
+                )
+                .await?;
+            let page = v["cells"].as_array().cloned().unwrap_or_default();
+            let total = v["total"].as_u64().unwrap_or(0) as usize;
+            let got = page.len();
+            all.extend(page);
+            if got == 0 || all.len() >= total {
+                return Ok(all);
+            }
+        }
+    }
+
+    /// One cell with its whole output and collected files.
+    pub async fn cell(&self, id: &str, index: u64) -> Result<Value> {
+        self.call(
+            reqwest::Method::GET,
+            &format!("/v1/sweeps/{id}/cells/{index}"),
+            None,
+        )
+        .await
+    }
+
+    /// Cancels the whole sweep, or only the cells at `indexes`.
+    pub async fn cancel(&self, id: &str, indexes: Option<&[u64]>) -> Result<Value> {
+        let body = indexes.map(|i| json!({ "cells": i }));
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/sweeps/{id}/cancel"),
+            body.as_ref(),
+        )
+        .await
+    }
+}

@@ -1,0 +1,127 @@
+//! The Slurm bridge's commands: `shoal sbatch`, `squeue`, `sacct`,
+//! `scancel` and `sync`, over the sweeps API (docs/SLURM.md).
+//!
+//! Owns: their command-line arguments and dispatch. What they do is in
+//! `sbatch.rs` (submission), `follow.rs` (output files on this machine),
+//! `views.rs` (queue, accounting, cancel); the API client and settings in
+//! `api.rs` and `config.rs`. Everything Slurm-specific that needs no I/O
+//! is `shoal_slurm`'s.
+//!
+//! May not: run VMs or open the database; these commands are API clients.
+
+pub mod api;
+pub mod config;
+pub mod follow;
+pub mod sbatch;
+pub mod views;
+
+use anyhow::Result;
+use clap::Args;
+use std::process::ExitCode;
+
+/// `shoal sbatch [options] [script [args...]]`.
+#[derive(Args)]
+pub struct SbatchArgs {
+    /// sbatch's own options, the script and its arguments, as sbatch takes
+    /// them (options on the command line override `#SBATCH` lines).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct SqueueArgs {
+    /// Only these job ids (comma-separated).
+    #[arg(short = 'j', long = "jobs", value_delimiter = ',')]
+    pub jobs: Vec<u64>,
+    /// Only jobs submitted as this user.
+    #[arg(short = 'u', long = "user")]
+    pub user: Option<String>,
+    /// Only your jobs (every job of the token is yours).
+    #[arg(long = "me")]
+    pub me: bool,
+}
+
+#[derive(Args)]
+pub struct SacctArgs {
+    /// Job ids: ID, ID_TASK, comma-separated.
+    #[arg(short = 'j', long = "jobs")]
+    pub jobs: Vec<String>,
+    /// Fields, comma-separated, each optionally `%WIDTH`.
+    #[arg(short = 'o', long = "format")]
+    pub format: Option<String>,
+    /// `|` after every field.
+    #[arg(short = 'p', long = "parsable")]
+    pub parsable: bool,
+    /// `|` between fields.
+    #[arg(short = 'P', long = "parsable2")]
+    pub parsable2: bool,
+    /// No header.
+    #[arg(short = 'n', long = "noheader")]
+    pub noheader: bool,
+    /// Accepted for compatibility: Shoal has no job steps, so every line is
+    /// an allocation.
+    #[arg(short = 'X', long = "allocations")]
+    pub allocations: bool,
+}
+
+#[derive(Args)]
+pub struct ScancelArgs {
+    /// ID, ID_TASK or ID_[TASKS].
+    #[arg(required = true)]
+    pub jobs: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct SyncArgs {
+    /// Job ids whose finished tasks' files to write.
+    #[arg(required = true)]
+    pub jobs: Vec<String>,
+    /// Keep writing as tasks finish, until the job is over.
+    #[arg(long)]
+    pub follow: bool,
+    /// Say nothing (the background follower).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+fn api() -> Result<api::Api> {
+    api::Api::new(&config::Config::load()?)
+}
+
+pub async fn sbatch(args: SbatchArgs) -> Result<ExitCode> {
+    sbatch::sbatch(&args.args).await
+}
+
+pub async fn squeue(args: SqueueArgs) -> Result<ExitCode> {
+    views::squeue(&api()?, &args.jobs, args.user.as_deref()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn sacct(args: SacctArgs) -> Result<ExitCode> {
+    let a = views::SacctArgs {
+        jobs: args.jobs,
+        format: args.format,
+        parsable: args.parsable,
+        parsable2: args.parsable2,
+        noheader: args.noheader,
+    };
+    views::sacct(&api()?, &a).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn scancel(args: ScancelArgs) -> Result<ExitCode> {
+    views::scancel(&api()?, &args.jobs).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn sync(args: SyncArgs) -> Result<ExitCode> {
+    let api = api()?;
+    if args.follow {
+        for id in &args.jobs {
+            follow::follow(&api, id, !args.quiet).await?;
+        }
+    } else {
+        follow::sync(&api, &args.jobs).await?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

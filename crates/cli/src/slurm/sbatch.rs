@@ -1,0 +1,576 @@
+//! `shoal sbatch`: reads a batch script and its command-line options,
+//! refuses what the fleet cannot do, picks a template, and submits the job
+//! as one sweep (a cell per array task).
+//!
+//! Owns: splitting sbatch's argument list into options, script and script
+//! arguments; the choice of template (`--partition` through the
+//! configured map, else the default template, else the smallest one that
+//! has the `--cpus-per-task`/`--mem` asked for, with a warning when none
+//! has); the sweep request (the script is written into each sandbox and
+//! run from a directory of the same path as the submit directory); what
+//! sbatch prints. Following the job to write its output files is
+//! `follow.rs`'s.
+//!
+//! May not: parse `#SBATCH` lines itself (that is `shoal_slurm`'s), write
+//! output files, or talk to anything but the API.
+
+use anyhow::{bail, Context, Result};
+use base64::Engine as _;
+use serde_json::{json, Value};
+use shoal_slurm::{BatchScript, DepKind, Directives, SlurmError, TimeLimit};
+use std::path::{Path, PathBuf};
+
+use super::api::Api;
+use super::config::Config;
+
+/// Where the script is written in each sandbox (outside the submit
+/// directory, so it is never collected back).
+pub const SCRIPT_PATH: &str = "/tmp/shoal-slurm/job.sh";
+
+/// `--time` not given: Slurm takes the partition's default; Shoal's is an hour.
+const DEFAULT_TIME_SECONDS: u64 = 3600;
+/// `--time=UNLIMITED`: the longest a sweep's attempt may run.
+const UNLIMITED_TIME_SECONDS: u64 = 30 * 86400;
+
+/// sbatch's arguments, split.
+#[derive(Debug, Default, PartialEq)]
+pub struct Invocation {
+    /// Options given before the script, as sbatch takes them.
+    pub options: Vec<String>,
+    /// `--wait` / `-W`: follow the job in the foreground.
+    pub wait: bool,
+    /// The script; `None` reads standard input.
+    pub script: Option<String>,
+    /// Arguments after the script: `$1`...
+    pub script_args: Vec<String>,
+}
+
+/// Long options that take no value (every other long option does, unless
+/// written `--opt=value`).
+const LONG_FLAGS: &[&str] = &[
+    "requeue",
+    "no-requeue",
+    "parsable",
+    "wait",
+    "quiet",
+    "verbose",
+    "test-only",
+    "ignore-pbs",
+    "reboot",
+    "hold",
+    "oversubscribe",
+    "overcommit",
+    "contiguous",
+    "spread-job",
+    "use-min-nodes",
+    "exclusive",
+    "get-user-env",
+    "propagate",
+    "nice",
+    "no-kill",
+    "kill-command",
+    "requeue-hold",
+];
+/// Short options that take no value (sbatch's getopt string).
+const SHORT_FLAGS: &str = "HsObhIQuvVWk";
+
+/// Splits `sbatch [options] [script [args...]]`: the first word that is
+/// not an option or an option's value is the script.
+pub fn split_args(args: &[String]) -> Invocation {
+    let mut inv = Invocation::default();
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        i += 1;
+        if a == "--wait" || a == "-W" {
+            inv.wait = true;
+            continue;
+        }
+        if let Some(long) = a.strip_prefix("--") {
+            inv.options.push(a.clone());
+            if !long.contains('=') && !LONG_FLAGS.contains(&long) && i < args.len() {
+                inv.options.push(args[i].clone());
+                i += 1;
+            }
+        } else if let Some(short) = a.strip_prefix('-').filter(|s| !s.is_empty()) {
+            inv.options.push(a.clone());
+            let c = short.chars().next().expect("not empty");
+            if short.len() == 1 && !SHORT_FLAGS.contains(c) && i < args.len() {
+                inv.options.push(args[i].clone());
+                i += 1;
+            }
+        } else {
+            inv.script = Some(a.clone());
+            inv.script_args = args[i..].to_vec();
+            break;
+        }
+    }
+    inv
+}
+
+/// One template as the API lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Template {
+    pub name: String,
+    pub cpus: u32,
+    pub memory_mib: u64,
+}
+
+impl Template {
+    fn from_json(v: &Value) -> Option<Template> {
+        Some(Template {
+            name: v["name"].as_str()?.to_owned(),
+            cpus: v["cpu"].as_u64()? as u32,
+            memory_mib: v["memory_mb"].as_u64()?,
+        })
+    }
+
+    fn satisfies(&self, d: &Directives) -> bool {
+        self.cpus >= d.cpus() && d.memory_mib().is_none_or(|m| self.memory_mib >= m)
+    }
+}
+
+/// The template a job runs on, and a warning when it lacks what the job
+/// asked for.
+pub fn choose_template(
+    d: &Directives,
+    templates: &[Template],
+    config: &Config,
+) -> Result<(Template, Option<String>)> {
+    let asked = || {
+        let mut parts = vec![format!("{} CPU(s)", d.cpus())];
+        if let Some(m) = d.memory_mib() {
+            parts.push(format!("{m} MiB"));
+        }
+        parts.join(" and ")
+    };
+    let find = |name: &str| templates.iter().find(|t| t.name == name).cloned();
+    let partitions = d.partitions();
+    if !partitions.is_empty() {
+        // As Slurm with `-p a,b`: the first partition that can take the job.
+        let mut mapped = Vec::new();
+        for p in &partitions {
+            let Some(name) = config.partitions.get(*p) else {
+                continue;
+            };
+            let t = find(name).with_context(|| {
+                format!("partition {p} maps to template {name}, which this API does not have")
+            })?;
+            mapped.push(t);
+        }
+        if mapped.is_empty() {
+            bail!(
+                "invalid partition name specified: {} (map partitions to templates with \
+                 SHOAL_PARTITIONS=name=template,... or \"partitions\" in the config file)",
+                partitions.join(",")
+            );
+        }
+        if let Some(t) = mapped.iter().find(|t| t.satisfies(d)) {
+            return Ok((t.clone(), None));
+        }
+        let t = mapped.remove(0);
+        let warning = format!(
+            "the job asks for {} but template {} (partition {}) has {} vCPU(s) and {} MiB; \
+             running there anyway",
+            asked(),
+            t.name,
+            partitions[0],
+            t.cpus,
+            t.memory_mib
+        );
+        return Ok((t, Some(warning)));
+    }
+    let default = config.default_template();
+    if let Some(t) = find(default).filter(|t| t.satisfies(d)) {
+        return Ok((t, None));
+    }
+    let mut fitting: Vec<&Template> = templates.iter().filter(|t| t.satisfies(d)).collect();
+    fitting.sort_by_key(|t| (t.cpus, t.memory_mib));
+    if let Some(t) = fitting.first() {
+        return Ok(((*t).clone(), None));
+    }
+    let t = find(default)
+        .or_else(|| {
+            templates
+                .iter()
+                .max_by_key(|t| (t.cpus, t.memory_mib))
+                .cloned()
+        })
+        .context("the API has no template ready")?;
+    let warning = format!(
+        "no template has {}; running on {} ({} vCPU(s), {} MiB)",
+        asked(),
+        t.name,
+        t.cpus,
+        t.memory_mib
+    );
+    Ok((t, Some(warning)))
+}
+
+/// Where the command runs and how it was submitted, from the submitting
+/// machine.
+pub struct Submitter {
+    /// The submit directory (absolute).
+    pub submit_dir: PathBuf,
+    pub user: String,
+    pub host: String,
+}
+
+impl Submitter {
+    pub fn here() -> Result<Submitter> {
+        let submit_dir = std::env::current_dir().context("reading the current directory")?;
+        let user = ["USER", "LOGNAME"]
+            .iter()
+            .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+            .unwrap_or_else(|| "unknown".into());
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_else(|_| "localhost".into());
+        Ok(Submitter {
+            submit_dir,
+            user,
+            host,
+        })
+    }
+}
+
+/// The job's working directory: `--chdir` (relative to the submit
+/// directory), else the submit directory.
+pub fn work_dir(d: &Directives, submit_dir: &Path) -> PathBuf {
+    match &d.chdir {
+        Some(dir) => submit_dir.join(dir),
+        None => submit_dir.to_path_buf(),
+    }
+}
+
+/// `after_ok` of the sweep: only `afterok` on whole jobs has a meaning in
+/// the sweeps API; anything else is refused with the reason.
+fn after_ok(d: &Directives) -> Result<Vec<String>> {
+    let Some(dep) = &d.dependency else {
+        return Ok(Vec::new());
+    };
+    if dep.any && dep.conditions.len() > 1 {
+        bail!("--dependency with '?' (any of) is not supported on Shoal: only afterok:ID[:ID...]");
+    }
+    let mut ids = Vec::new();
+    for c in &dep.conditions {
+        if c.kind != DepKind::AfterOk {
+            bail!(
+                "--dependency={:?} is not supported on Shoal: only afterok:ID[:ID...] (the job \
+                 starts when those jobs completed with every task exit code 0)",
+                c.kind
+            );
+        }
+        for j in &c.jobs {
+            if j.task_id.is_some() {
+                bail!("--dependency=afterok:{j}: Shoal waits for whole jobs only, not one task");
+            }
+            ids.push(j.job_id.to_string());
+        }
+    }
+    Ok(ids)
+}
+
+/// Single-quotes a word for `sh`.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The `POST /v1/sweeps` body of a parsed script.
+pub fn sweep_request(
+    script: &BatchScript,
+    script_path: Option<&str>,
+    script_args: &[String],
+    template: &Template,
+    who: &Submitter,
+    config: &Config,
+) -> Result<Value> {
+    let d = &script.directives;
+    let name = d.job_name_or_default(script_path);
+    let work = work_dir(d, &who.submit_dir);
+    let work_s = work
+        .to_str()
+        .context("the working directory is not UTF-8")?;
+    let timeout = match d.time {
+        Some(TimeLimit::Unlimited) => UNLIMITED_TIME_SECONDS,
+        Some(TimeLimit::Limit(_)) => d
+            .time_limit()
+            .map(|t| t.as_secs().clamp(1, UNLIMITED_TIME_SECONDS))
+            .unwrap_or(DEFAULT_TIME_SECONDS),
+        None => DEFAULT_TIME_SECONDS,
+    };
+    let cells: Vec<Value> = match &d.array {
+        Some(a) => a.task_ids.iter().map(|t| json!(t)).collect(),
+        None => vec![json!(0)],
+    };
+    let mut command = format!("chmod 755 {SCRIPT_PATH} && exec {SCRIPT_PATH}");
+    for a in script_args {
+        command.push(' ');
+        command.push_str(&shell_quote(a));
+    }
+    let mut body = json!({
+        "name": name,
+        "template": template.name,
+        "command": command,
+        "cells": cells,
+        "workdir": work_s,
+        "timeout_seconds": timeout,
+        "retries": 0,
+        "files": {SCRIPT_PATH: base64::engine::general_purpose::STANDARD.encode(&script.body)},
+        // What the script leaves in its working directory comes back to
+        // the submit machine, as on a shared filesystem (two levels deep).
+        "collect": [format!("{work_s}/*"), format!("{work_s}/*/*")],
+        "after_ok": after_ok(d)?,
+        "slurm": {
+            "job_name": name,
+            "array": d.array.as_ref().map(|a| a.to_slurm_string()),
+            "user": who.user,
+            "submit_dir": who.submit_dir.to_str(),
+            "submit_host": who.host,
+            "work_dir": work_s,
+            "output": d.output,
+            "error": d.error,
+            "partition": d.partitions().first(),
+            "account": d.account,
+            "cpus_per_task": d.cpus_per_task,
+            "mem_mib": d.mem_mib.filter(|m| *m > 0),
+            "mem_per_cpu_mib": d.mem_per_cpu_mib,
+            "requeue": d.requeue.unwrap_or(true),
+            "time_limit_seconds": timeout,
+            "cluster_name": config.cluster_name(),
+            "vcpus": template.cpus,
+        },
+    });
+    if let Some(throttle) = d.array.as_ref().and_then(|a| a.throttle) {
+        body["throttle"] = json!(throttle);
+    }
+    Ok(body)
+}
+
+/// Parses and checks a script with its command-line options; refusals and
+/// bad values are errors before anything is created.
+pub fn read_script(text: &str, options: &[String]) -> Result<BatchScript> {
+    if !text.starts_with("#!") {
+        bail!(
+            "This does not look like a batch script. The first line must start with #! \
+             followed by the path to an interpreter."
+        );
+    }
+    let args: Vec<&str> = options.iter().map(String::as_str).collect();
+    shoal_slurm::parse_script_with_args(text, &args).map_err(|e| match e {
+        SlurmError::Refused(_) => anyhow::anyhow!("{e}"),
+        other => anyhow::Error::new(other),
+    })
+}
+
+/// `shoal sbatch`: submits, prints the job id, and either follows the job
+/// in the foreground (`--wait`) or leaves a background follower to write
+/// the output files. Returns the process's exit code.
+pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
+    let inv = split_args(args);
+    let text = match &inv.script {
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("Unable to open file {path}"))?
+        }
+        None => {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+                .context("reading the script from standard input")?;
+            s
+        }
+    };
+    let script = read_script(&text, &inv.options)?;
+    for w in &script.warnings {
+        eprintln!("sbatch: warning: {w}");
+    }
+    for (line, text) in &script.module_lines {
+        eprintln!(
+            "sbatch: line {line}: skipped `{}`: the template carries the software",
+            text.trim()
+        );
+    }
+    let config = Config::load()?;
+    let api = Api::new(&config)?;
+    let templates: Vec<Template> = api
+        .templates()
+        .await?
+        .iter()
+        .filter_map(Template::from_json)
+        .collect();
+    let (template, warning) = choose_template(&script.directives, &templates, &config)?;
+    if let Some(w) = warning {
+        eprintln!("sbatch: warning: {w}");
+    }
+    let who = Submitter::here()?;
+    let body = sweep_request(
+        &script,
+        inv.script.as_deref(),
+        &inv.script_args,
+        &template,
+        &who,
+        &config,
+    )?;
+    let sweep = api
+        .create_sweep(&body)
+        .await
+        .context("Batch job submission failed")?;
+    let job_id = sweep["job_id"].as_u64().context("the API gave no job id")?;
+    if script.directives.parsable {
+        println!("{job_id}");
+    } else {
+        println!("{}", shoal_slurm::format_submitted(job_id));
+    }
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    if inv.wait {
+        let outcome = super::follow::follow(&api, &job_id.to_string(), true).await?;
+        return Ok(std::process::ExitCode::from(outcome.exit_code()));
+    }
+    super::follow::spawn_background(job_id)?;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn splits_options_script_and_its_arguments() {
+        let inv = split_args(&strings(&[
+            "-t",
+            "10",
+            "--array=1-3",
+            "--requeue",
+            "-J",
+            "x",
+            "--wait",
+            "job.sh",
+            "-a",
+            "b",
+        ]));
+        assert_eq!(
+            inv.options,
+            strings(&["-t", "10", "--array=1-3", "--requeue", "-J", "x"])
+        );
+        assert!(inv.wait);
+        assert_eq!(inv.script.as_deref(), Some("job.sh"));
+        assert_eq!(inv.script_args, strings(&["-a", "b"]));
+        let inv = split_args(&strings(&["--partition", "short", "-t10"]));
+        assert_eq!(inv.script, None);
+        assert_eq!(inv.options, strings(&["--partition", "short", "-t10"]));
+    }
+
+    fn templates() -> Vec<Template> {
+        vec![
+            Template {
+                name: "code-interpreter".into(),
+                cpus: 1,
+                memory_mib: 512,
+            },
+            Template {
+                name: "big".into(),
+                cpus: 4,
+                memory_mib: 4096,
+            },
+            Template {
+                name: "mid".into(),
+                cpus: 2,
+                memory_mib: 2048,
+            },
+        ]
+    }
+
+    fn directives(args: &[&str]) -> Directives {
+        shoal_slurm::parse_script_with_args("#!/bin/sh\ntrue\n", args)
+            .unwrap()
+            .directives
+    }
+
+    #[test]
+    fn template_follows_the_request_and_the_partition_map() {
+        let config = Config::default();
+        let (t, w) = choose_template(&directives(&[]), &templates(), &config).unwrap();
+        assert_eq!((t.name.as_str(), w), ("code-interpreter", None));
+        let (t, w) = choose_template(&directives(&["-c", "2"]), &templates(), &config).unwrap();
+        assert_eq!((t.name.as_str(), w), ("mid", None));
+        let (t, w) = choose_template(&directives(&["--mem=3G"]), &templates(), &config).unwrap();
+        assert_eq!((t.name.as_str(), w), ("big", None));
+        let (t, w) = choose_template(&directives(&["--mem=64G"]), &templates(), &config).unwrap();
+        assert_eq!(t.name, "code-interpreter");
+        assert!(w.unwrap().contains("65536 MiB"));
+
+        let mut config = Config::default();
+        config.partitions.insert("short".into(), "mid".into());
+        let (t, w) = choose_template(&directives(&["-p", "short"]), &templates(), &config).unwrap();
+        assert_eq!((t.name.as_str(), w), ("mid", None));
+        let (t, w) = choose_template(
+            &directives(&["-p", "short", "-c", "4"]),
+            &templates(),
+            &config,
+        )
+        .unwrap();
+        assert_eq!(t.name, "mid");
+        assert!(w.unwrap().contains("partition short"));
+        let e = choose_template(&directives(&["-p", "gpu"]), &templates(), &config).unwrap_err();
+        assert!(e
+            .to_string()
+            .contains("invalid partition name specified: gpu"));
+    }
+
+    #[test]
+    fn request_carries_the_array_time_and_dependency() {
+        let script = read_script(
+            "#!/bin/bash\n#SBATCH --array=1-6%3\n#SBATCH -t 1:30\n#SBATCH -J x\necho hi\n",
+            &strings(&["--dependency=afterok:1000"]),
+        )
+        .unwrap();
+        let who = Submitter {
+            submit_dir: "/home/a/run".into(),
+            user: "a".into(),
+            host: "h".into(),
+        };
+        let t = &templates()[0];
+        let body =
+            sweep_request(&script, Some("job.sh"), &[], t, &who, &Config::default()).unwrap();
+        assert_eq!(body["cells"], json!([1, 2, 3, 4, 5, 6]));
+        assert_eq!(body["throttle"], 3);
+        assert_eq!(body["timeout_seconds"], 120, "1:30 rounds up to 2 minutes");
+        assert_eq!(body["after_ok"], json!(["1000"]));
+        assert_eq!(body["name"], "x");
+        assert_eq!(body["workdir"], "/home/a/run");
+        assert_eq!(body["slurm"]["array"], "1-6%3");
+
+        let single = read_script("#!/bin/sh\necho\n", &[]).unwrap();
+        let body = sweep_request(
+            &single,
+            Some("a/b.sh"),
+            &strings(&["it's"]),
+            t,
+            &who,
+            &Config::default(),
+        )
+        .unwrap();
+        assert_eq!(body["cells"], json!([0]));
+        assert_eq!(body["slurm"]["array"], Value::Null);
+        assert_eq!(body["name"], "b.sh");
+        assert!(body["command"].as_str().unwrap().ends_with(r"'it'\''s'"));
+        assert!(body.get("throttle").is_none());
+    }
+
+    #[test]
+    fn unsupported_dependencies_and_non_scripts_are_refused() {
+        let e = read_script("echo hi\n", &[]).unwrap_err();
+        assert!(e.to_string().contains("#!"));
+        let s = read_script("#!/bin/sh\n#SBATCH -d afterany:5\ntrue\n", &[]).unwrap();
+        assert!(after_ok(&s.directives)
+            .unwrap_err()
+            .to_string()
+            .contains("only afterok"));
+        let e = read_script("#!/bin/sh\n#SBATCH --nodes=2\ntrue\n", &[]).unwrap_err();
+        assert!(e.to_string().contains("cannot run on Shoal"), "{e}");
+    }
+}

@@ -1,0 +1,561 @@
+//! The Slurm bridge end to end on real VMs: a cluster-style array script
+//! runs unchanged through `shoal sbatch` against a real `shoal up`, its
+//! `--output` files appear in the submit directory with Slurm's names and
+//! the tasks' own output, `shoal squeue` shows it running, `shoal sacct`
+//! shows every task COMPLETED with its elapsed time, CPU time and cost, a
+//! failing job shows FAILED with its exit code, `--dependency=afterok`
+//! holds a job until its parent completed, `shoal scancel` cancels one
+//! task and then a whole job, and what the fleet cannot do (`--nodes=2`,
+//! `--gres=gpu:1`, `srun --mpi`) is refused before anything is created.
+//!
+//! Runs on SQLite and, when `SHOAL_TEST_DATABASE_URL` names a PostgreSQL
+//! server (`scripts/with-postgres`), on a fresh database there too (that
+//! variant says it was skipped otherwise). `shoal up` runs in its own
+//! process group and is stopped by its id.
+
+use serde_json::Value;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+const ARRAY_SCRIPT: &str = r#"#!/bin/bash
+#SBATCH --job-name=sim
+#SBATCH --array=1-6%3
+#SBATCH --output=logs/%x_%A_%a.out
+#SBATCH --time=00:05:00
+#SBATCH --cpus-per-task=1
+#SBATCH --mem=256M
+
+module load python/3.11
+
+echo "task $SLURM_ARRAY_TASK_ID of $SLURM_ARRAY_TASK_COUNT job $SLURM_JOB_ID array $SLURM_ARRAY_JOB_ID name $SLURM_JOB_NAME"
+mkdir -p results
+echo $((SLURM_ARRAY_TASK_ID * SLURM_ARRAY_TASK_ID)) > results/$SLURM_ARRAY_TASK_ID.txt
+echo "note from $SLURM_ARRAY_TASK_ID" >&2
+sleep 4
+"#;
+
+const FAIL_SCRIPT: &str = r#"#!/bin/sh
+#SBATCH -J broken
+#SBATCH -t 2
+echo "array=${SLURM_ARRAY_TASK_ID:-none} job=$SLURM_JOB_ID"
+echo "bad input" >&2
+exit 3
+"#;
+
+const AFTER_SCRIPT: &str = r#"#!/bin/bash
+#SBATCH --job-name=after
+#SBATCH --output=after-%j.log
+echo "after ran"
+"#;
+
+const LONG_SCRIPT: &str = r#"#!/bin/bash
+#SBATCH --job-name=long
+#SBATCH --array=0-3%2
+echo "long $SLURM_ARRAY_TASK_ID started"
+sleep 600
+"#;
+
+struct Up {
+    child: Child,
+    base: String,
+}
+
+impl Up {
+    fn start(state: &Path, database_url: &str) -> Up {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--state-dir")
+            .arg(state)
+            .arg("--cache-dir")
+            .arg(shoal_testkit::cache_dir())
+            .arg("--guest-agent")
+            .arg(shoal_testkit::guest_agent())
+            .args(["--database-url", database_url])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("starting shoal up");
+        Up {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // SAFETY: kill(2) on the process group of a child we spawned.
+            unsafe { libc_kill(-(self.child.id() as i32), 15) };
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn token(database_url: &str, state: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["token", "create", "--account", "slurm", "--tier", "team"])
+        .args(["--database-url", database_url])
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .lines()
+        .last()
+        .unwrap()
+        .to_owned()
+}
+
+/// Runs `shoal <args>` as a Slurm user would, in `dir`, with the API in
+/// the environment.
+struct User {
+    dir: PathBuf,
+    api: String,
+    token: String,
+}
+
+impl User {
+    fn shoal(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(args)
+            .current_dir(&self.dir)
+            .env("SHOAL_API", &self.api)
+            .env("SHOAL_API_KEY", &self.token)
+            .env("USER", "ada")
+            .env("SHOAL_SLURM_CONFIG", self.dir.join("no-config.json"))
+            .env_remove("SHOAL_PARTITIONS")
+            .output()
+            .expect("running shoal")
+    }
+
+    /// `shoal <args>`, which must succeed; its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.shoal(args);
+        assert!(
+            out.status.success(),
+            "shoal {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    fn write(&self, name: &str, text: &str) {
+        std::fs::write(self.dir.join(name), text).unwrap();
+    }
+
+    /// `shoal sbatch <args>`: the job id it printed, and its stderr.
+    fn sbatch(&self, args: &[&str]) -> (u64, String) {
+        let mut all = vec!["sbatch"];
+        all.extend_from_slice(args);
+        let out = self.shoal(&all);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "sbatch {args:?}: {stdout}{stderr}");
+        let id = stdout
+            .trim()
+            .strip_prefix("Submitted batch job ")
+            .unwrap_or_else(|| panic!("sbatch printed {stdout:?}"))
+            .parse()
+            .unwrap();
+        (id, stderr)
+    }
+
+    /// `sacct -j ID -P` with the fields, as rows of cells (header first).
+    fn sacct(&self, job: u64, format: &str) -> Vec<Vec<String>> {
+        self.ok(&[
+            "sacct",
+            "-j",
+            &job.to_string(),
+            "-P",
+            &format!("--format={format}"),
+        ])
+        .lines()
+        .map(|l| l.split('|').map(str::to_owned).collect())
+        .collect()
+    }
+
+    /// Waits until every task of `job` is in one of `states` (sacct).
+    fn wait_states(
+        &self,
+        job: u64,
+        count: usize,
+        states: &[&str],
+        limit: Duration,
+    ) -> Vec<Vec<String>> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let rows = self.sacct(job, "JobID,JobName,State,ExitCode,Elapsed,CPUTime,Cost");
+            let done = rows.len() == count + 1
+                && rows[1..].iter().all(|r| states.contains(&r[2].as_str()));
+            if done {
+                return rows;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {job} never reached {states:?}: {rows:?}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+/// `[DD-]HH:MM:SS` in seconds.
+fn seconds(t: &str) -> u64 {
+    let (days, hms) = match t.split_once('-') {
+        Some((d, rest)) => (d.parse::<u64>().unwrap(), rest),
+        None => (0, t),
+    };
+    let parts: Vec<u64> = hms.split(':').map(|p| p.parse().unwrap()).collect();
+    assert_eq!(parts.len(), 3, "{t}");
+    days * 86_400 + parts[0] * 3_600 + parts[1] * 60 + parts[2]
+}
+
+fn wait_for_file(path: &Path, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+fn vms_of(state: &Path) -> Vec<u32> {
+    shoal_testkit::processes_mentioning(&state.join("vms").display().to_string())
+}
+
+async fn sweeps_of(api: &str, token: &str) -> Vec<Value> {
+    let v: Value = reqwest::Client::new()
+        .get(format!("{api}/v1/sweeps"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["sweeps"].as_array().cloned().unwrap()
+}
+
+async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::create_dir_all(&state).unwrap();
+    let up = Up::start(&state, database_url);
+    let http = reqwest::Client::new();
+    let base = up.base.clone();
+    let ready = shoal_testkit::wait_until(Duration::from_secs(300), || {
+        let http = http.clone();
+        let base = base.clone();
+        async move {
+            http.get(format!("{base}/healthz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        }
+    })
+    .await;
+    assert!(ready, "shoal up did not answer /healthz");
+    let submit = state.join("submit");
+    std::fs::create_dir_all(&submit).unwrap();
+    let user = User {
+        dir: submit.clone(),
+        api: up.base.clone(),
+        token: token(database_url, &state),
+    };
+
+    // Refusals: a message that says why, a failure, and nothing created.
+    for (name, text, expect) in [
+        (
+            "nodes.sh",
+            "#!/bin/bash\n#SBATCH --nodes=2\necho hi\n",
+            "--nodes",
+        ),
+        (
+            "gpu.sh",
+            "#!/bin/bash\n#SBATCH --gres=gpu:1\necho hi\n",
+            "gpu",
+        ),
+        (
+            "mpi.sh",
+            "#!/bin/bash\n#SBATCH -n 4\nsrun --mpi=pmix ./solver\n",
+            "mpi",
+        ),
+    ] {
+        user.write(name, text);
+        let out = user.shoal(&["sbatch", name]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name} was accepted");
+        assert!(
+            stderr.contains("cannot run on Shoal") && stderr.contains(expect),
+            "{name}: {stderr}"
+        );
+        println!("refused {name}: {}", stderr.trim());
+    }
+    // A command-line option overrides the script's, refusals included.
+    user.write("ok.sh", "#!/bin/bash\n#SBATCH --nodes=1\necho hi\n");
+    let out = user.shoal(&["sbatch", "--nodes=3", "ok.sh"]);
+    assert!(
+        !out.status.success(),
+        "--nodes=3 on the command line was accepted"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--nodes"));
+    assert!(
+        sweeps_of(&user.api, &user.token).await.is_empty(),
+        "a refused job created a sweep"
+    );
+
+    // The array job, unchanged, plus a dependent job and a failing one.
+    user.write("job.sh", ARRAY_SCRIPT);
+    let started = Instant::now();
+    let (job, stderr) = user.sbatch(&["job.sh"]);
+    assert!(
+        stderr.contains("module load python/3.11"),
+        "module line not reported: {stderr}"
+    );
+    user.write("after.sh", AFTER_SCRIPT);
+    let (after, _) = user.sbatch(&[&format!("--dependency=afterok:{job}"), "after.sh"]);
+    user.write("fail.sh", FAIL_SCRIPT);
+    let (fail, _) = user.sbatch(&["fail.sh"]);
+    println!("submitted array {job}, dependent {after}, failing {fail}");
+
+    // squeue while it runs: running tasks on their sandboxes, at most 3
+    // (the %3 throttle), and the dependent job pending on its dependency.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut max_running = 0;
+    let mut saw = String::new();
+    loop {
+        let q = user.ok(&["squeue"]);
+        let running: Vec<&str> = q
+            .lines()
+            .filter(|l| l.contains(&format!("{job}_")) && l.split_whitespace().nth(4) == Some("R"))
+            .collect();
+        max_running = max_running.max(running.len());
+        if !running.is_empty() && running.iter().all(|l| l.contains("sb-")) && saw.is_empty() {
+            saw = q.clone();
+            assert!(
+                q.lines()
+                    .any(|l| l.contains(&after.to_string()) && l.contains("(Dependency)")),
+                "the dependent job is not shown pending on its dependency:\n{q}"
+            );
+        }
+        if q.lines().all(|l| !l.contains(&format!("{job}_"))) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the array never finished:\n{q}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    println!("squeue while running:\n{saw}");
+    assert!(
+        !saw.is_empty(),
+        "squeue never showed a running task with its sandbox"
+    );
+    assert!(max_running <= 3, "more than 3 tasks ran at once");
+
+    let templates: Value = http
+        .get(format!("{}/v1/templates", user.api))
+        .bearer_auth(&user.token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let vcpus = templates["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "code-interpreter")
+        .and_then(|t| t["cpu"].as_u64())
+        .expect("code-interpreter is listed");
+
+    // sacct: every task COMPLETED, exit 0:0, elapsed ≥ the 4 s sleep, a cost.
+    let rows = user.wait_states(job, 6, &["COMPLETED"], Duration::from_secs(60));
+    println!(
+        "array done in {:.1} s\n{}",
+        started.elapsed().as_secs_f64(),
+        rows.iter()
+            .map(|r| r.join("|"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(
+        rows[0],
+        ["JobID", "JobName", "State", "ExitCode", "Elapsed", "CPUTime", "Cost"]
+    );
+    for (i, row) in rows[1..].iter().enumerate() {
+        let task = i + 1;
+        assert_eq!(row[0], format!("{job}_{task}"));
+        assert_eq!(row[1], "sim");
+        assert_eq!(row[3], "0:0");
+        assert!((4..120).contains(&seconds(&row[4])), "elapsed {row:?}");
+        assert_eq!(
+            seconds(&row[5]),
+            seconds(&row[4]) * vcpus,
+            "CPUTime is Elapsed times the vCPUs: {row:?}"
+        );
+        let cost: f64 = row[6].parse().unwrap_or_else(|_| panic!("cost {row:?}"));
+        assert!(cost > 0.0, "{row:?}");
+    }
+
+    // Output files: Slurm's names, each task's own output then its stderr;
+    // the results the tasks wrote, back in the submit directory.
+    for task in 1..=6u64 {
+        let log = wait_for_file(
+            &submit.join(format!("logs/sim_{job}_{task}.out")),
+            Duration::from_secs(60),
+        );
+        let task_job = job + task - 1;
+        assert_eq!(
+            log,
+            format!("task {task} of 6 job {task_job} array {job} name sim\nnote from {task}\n"),
+            "task {task}"
+        );
+        let result = wait_for_file(
+            &submit.join(format!("results/{task}.txt")),
+            Duration::from_secs(10),
+        );
+        assert_eq!(result.trim(), (task * task).to_string());
+    }
+
+    // The dependent job ran after, and its output file is named by %j.
+    user.wait_states(after, 1, &["COMPLETED"], Duration::from_secs(180));
+    assert_eq!(
+        wait_for_file(
+            &submit.join(format!("after-{after}.log")),
+            Duration::from_secs(60)
+        ),
+        "after ran\n"
+    );
+
+    // The failing job: FAILED 3:0; not an array, so no array variables and
+    // Slurm's slurm-%j.out.
+    let rows = user.wait_states(fail, 1, &["FAILED"], Duration::from_secs(180));
+    assert_eq!(rows[1][0], fail.to_string());
+    assert_eq!(rows[1][3], "3:0");
+    let log = wait_for_file(
+        &submit.join(format!("slurm-{fail}.out")),
+        Duration::from_secs(60),
+    );
+    assert_eq!(log, format!("array=none job={fail}\nbad input\n"));
+
+    // scancel: one task of a running array, then the whole job.
+    user.write("long.sh", LONG_SCRIPT);
+    let (long, _) = user.sbatch(&["long.sh"]);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let q = user.ok(&["squeue", "-j", &long.to_string()]);
+        if q.lines()
+            .filter(|l| l.split_whitespace().nth(4) == Some("R"))
+            .count()
+            == 2
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the long job never ran 2 tasks:\n{q}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    user.ok(&["scancel", &format!("{long}_1")]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let rows = user.sacct(long, "JobID,State");
+        let task1 = rows
+            .iter()
+            .find(|r| r[0] == format!("{long}_1"))
+            .unwrap()
+            .clone();
+        if task1[1] == "CANCELLED" {
+            let others: Vec<&str> = rows[1..]
+                .iter()
+                .filter(|r| r[0] != task1[0])
+                .map(|r| r[1].as_str())
+                .collect();
+            assert!(
+                others.iter().all(|s| *s == "RUNNING" || *s == "PENDING"),
+                "{rows:?}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{long}_1 was not cancelled: {rows:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    user.ok(&["scancel", &long.to_string()]);
+    let rows = user.wait_states(long, 4, &["CANCELLED"], Duration::from_secs(120));
+    println!(
+        "after scancel:\n{}",
+        rows.iter()
+            .map(|r| r.join("|"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let q = user.ok(&["squeue"]);
+    assert_eq!(q.lines().count(), 1, "squeue still shows jobs:\n{q}");
+
+    // Nothing left running.
+    let gone = shoal_testkit::wait_until(Duration::from_secs(60), || async {
+        vms_of(&state).is_empty()
+    })
+    .await;
+    assert!(gone, "VMs left after every job ended");
+    drop(up);
+    let _ = std::fs::remove_dir_all(&state);
+}
+
+#[test]
+fn slurm_scripts_run_unchanged_on_sqlite() {
+    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    shoal_testkit::block_on(async {
+        let db = shoal_testkit::TestDb::sqlite().await;
+        slurm_scripts_run_unchanged(&db.url, shoal_testkit::state_dir("vm_sbatch_sqlite")).await;
+        db.cleanup().await;
+    });
+}
+
+#[test]
+fn slurm_scripts_run_unchanged_on_postgres() {
+    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    shoal_testkit::block_on(async {
+        let Some(db) = shoal_testkit::TestDb::postgres().await else {
+            eprintln!(
+                "skipped: SHOAL_TEST_DATABASE_URL is not set (run under scripts/with-postgres)"
+            );
+            return;
+        };
+        slurm_scripts_run_unchanged(&db.url, shoal_testkit::state_dir("vm_sbatch_pg")).await;
+        db.cleanup().await;
+    });
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
