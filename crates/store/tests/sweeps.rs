@@ -312,6 +312,21 @@ async fn create_claim_renew_finish(db: Arc<Db>) {
         .unwrap()[0];
     assert_eq!(cell0.lease_expires_at, Some(T0 + 50.0));
 
+    // The sandbox is visible while the cell runs, only under its claim.
+    assert!(!store
+        .set_cell_sandbox("sw-1", 0, "not-the-claim", "sb-wrong")
+        .await
+        .unwrap());
+    assert!(store
+        .set_cell_sandbox("sw-1", 0, &c0.claim_id, "sb-running")
+        .await
+        .unwrap());
+    let cell0 = &store
+        .list_cells(acct, "sw-1", &CellFilter::default())
+        .await
+        .unwrap()[0];
+    assert_eq!(cell0.sandbox_id.as_deref(), Some("sb-running"));
+
     let outcome = CellOutcome {
         exit_code: Some(0),
         elapsed_ms: Some(1234),
