@@ -59,6 +59,9 @@ pub struct RunnerConfig {
     /// How often leases are expired, held sweeps decided and parents of
     /// finished sweeps deleted.
     pub housekeeping: Duration,
+    /// Attempts starting at once (sandbox create, files, command start);
+    /// 0 for no limit. The rest wait their turn, holding their claim.
+    pub max_starting: usize,
 }
 
 impl Default for RunnerConfig {
@@ -69,8 +72,18 @@ impl Default for RunnerConfig {
             poll: Duration::from_millis(300),
             lease: Duration::from_secs(30),
             housekeeping: Duration::from_secs(2),
+            max_starting: default_max_starting(),
         }
     }
+}
+
+/// One start at a time per core: a restore and the first exec in a fresh
+/// guest are CPU-bound (under TCG, mostly code translation), so twenty at
+/// once on two cores each take ten times as long, and the first command
+/// starts only when nearly all of them have. In turns, each start takes
+/// about its uncontended time, and commands start from the first turn on.
+pub fn default_max_starting() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
 /// stdout and stderr are each kept up to this much (the end).
@@ -114,6 +127,9 @@ pub struct Runner {
     backoff: Mutex<Option<(Instant, Duration)>>,
     /// Sandboxes lost per claimed cell, by "sweep/idx".
     losses: Mutex<HashMap<String, u32>>,
+    /// Turns to start an attempt ([`RunnerConfig::max_starting`]), made at
+    /// the first attempt.
+    starting: std::sync::OnceLock<Option<tokio::sync::Semaphore>>,
 }
 
 /// A sweep as its attempts use it, read once.
@@ -474,6 +490,20 @@ async fn run_attempt(
     let sweep = &info.row;
     let mut timings = Timings::default();
     let started = Instant::now();
+    // Held until the command runs (or the attempt stops before): the wait
+    // for a turn counts in `create`.
+    let starting = cp
+        .runner
+        .starting
+        .get_or_init(|| {
+            let n = cp.config.sweeps.max_starting;
+            (n > 0).then(|| tokio::sync::Semaphore::new(n))
+        })
+        .as_ref();
+    let mut turn = match starting {
+        Some(semaphore) => Some(semaphore.acquire().await.expect("never closed")),
+        None => None,
+    };
     let sandbox = match make_sandbox(cp, info, claim).await {
         Ok(sandbox) => sandbox,
         Err(Refusal::Retry(why)) => return release(cp, claim, &why).await,
@@ -516,6 +546,7 @@ async fn run_attempt(
                         Err(e) => classify_agent_error("starting the command", e),
                         Ok(mut handle) => {
                             timings.exec = ms(phase);
+                            drop(turn.take());
                             run_started = Some(Instant::now());
                             let deadline =
                                 tokio::time::Instant::now() + timeout + HOST_TIMEOUT_MARGIN;
@@ -556,6 +587,7 @@ async fn run_attempt(
             }
         }
     };
+    drop(turn.take());
     if let Some(at) = run_started {
         timings.run = ms(at);
     }
