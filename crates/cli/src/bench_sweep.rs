@@ -144,7 +144,10 @@ fn parse_uncontended(text: &str) -> Result<Option<(u32, u32)>> {
 }
 
 pub async fn sweep(args: SweepBenchArgs) -> Result<()> {
-    ensure!(args.tasks > 0 && args.throttle > 0, "--tasks and --throttle must be at least 1");
+    ensure!(
+        args.tasks > 0 && args.throttle > 0,
+        "--tasks and --throttle must be at least 1"
+    );
     let uncontended = parse_uncontended(&args.uncontended)?;
     let mut report = json!({
         "task": "python3 task.py CELL OUTDIR: sum of squares below 100,000, then OUTDIR/CELL.txt",
@@ -263,7 +266,8 @@ struct SlurmRun {
 
 impl SlurmRun {
     fn new() -> Result<Self> {
-        std::env::var_os("SLURM_CONF").context("SLURM_CONF is not set: run under scripts/with-slurm")?;
+        std::env::var_os("SLURM_CONF")
+            .context("SLURM_CONF is not set: run under scripts/with-slurm")?;
         let dir = PathBuf::from(
             std::env::var_os("SHOAL_SLURM_DIR")
                 .context("SHOAL_SLURM_DIR is not set: run under scripts/with-slurm")?,
@@ -332,7 +336,10 @@ impl SlurmRun {
             if completed.len() as u32 >= tasks {
                 break (allocated, completed);
             }
-            ensure!(Instant::now() < deadline, "the Slurm array did not finish in an hour");
+            ensure!(
+                Instant::now() < deadline,
+                "the Slurm array did not finish in an hour"
+            );
             tokio::time::sleep(Duration::from_millis(250)).await;
         };
 
@@ -348,7 +355,10 @@ impl SlurmRun {
             };
             let result = std::fs::read_to_string(work.join(format!("out/{task}.txt")))
                 .with_context(|| format!("task {task} wrote no result"))?;
-            ensure!(result == expected_result(task), "task {task} wrote {result:?}");
+            ensure!(
+                result == expected_result(task),
+                "task {task} wrote {result:?}"
+            );
             let slot = completed[&task] - allocated.get(&task).context("no allocation")?;
             run_ms.push((end - start) * 1000.0);
             overhead_ms.push((slot - (end - start)) * 1000.0);
@@ -367,10 +377,7 @@ impl SlurmRun {
 
 /// From slurmctld's log: when each task of `array_id` was allocated and when
 /// it completed, by task id (Unix seconds, millisecond stamps).
-fn slurm_events(
-    log: &str,
-    array_id: &str,
-) -> Result<(BTreeMap<u32, f64>, BTreeMap<u32, f64>)> {
+fn slurm_events(log: &str, array_id: &str) -> Result<(BTreeMap<u32, f64>, BTreeMap<u32, f64>)> {
     let mut allocated = BTreeMap::new();
     let mut completed = BTreeMap::new();
     let needle = format!("JobId={array_id}_");
@@ -466,7 +473,10 @@ impl ShoalRun {
                 Some("active" | "held") => {}
                 other => bail!("sweep {id} ended {other:?}: {sweep}"),
             }
-            ensure!(Instant::now() < deadline, "sweep {id} did not finish in an hour");
+            ensure!(
+                Instant::now() < deadline,
+                "sweep {id} did not finish in an hour"
+            );
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
 
@@ -519,8 +529,11 @@ impl ShoalRun {
 }
 
 fn rfc3339(value: &Value) -> Result<f64> {
-    let text = value.as_str().with_context(|| format!("not a time: {value}"))?;
-    let time = chrono::DateTime::parse_from_rfc3339(text).with_context(|| format!("time {text:?}"))?;
+    let text = value
+        .as_str()
+        .with_context(|| format!("not a time: {value}"))?;
+    let time =
+        chrono::DateTime::parse_from_rfc3339(text).with_context(|| format!("time {text:?}"))?;
     Ok(time.timestamp_micros() as f64 / 1e6)
 }
 
