@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_fleet;
+mod bench_sweep;
 mod fleet;
 mod slurm;
 mod up;
@@ -152,6 +153,9 @@ enum BenchCommand {
     /// Create through a fleet's front vs. one agent, placement decisions per
     /// second, and the spread of a burst of creates (see scripts/bench-fleet).
     Fleet(bench_fleet::FleetBenchArgs),
+    /// The same job array on a real Slurm and on Shoal, and the sweep
+    /// table's claims per second (see scripts/bench-sweep).
+    Sweep(bench_sweep::SweepBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -336,6 +340,12 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             command: BenchCommand::Fleet(args),
         } => {
             bench_fleet::fleet(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            command: BenchCommand::Sweep(args),
+        } => {
+            bench_sweep::sweep(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
     }

@@ -30,6 +30,10 @@ pub struct HostArgs {
     /// Memory (MiB) kept free on the host; creates that would go below are refused with 507.
     #[arg(long, default_value_t = 1024)]
     pub memory_reserve_mib: u64,
+    /// Sweep attempts starting at once (create, files, command start); 0
+    /// for no limit. Default: one per core.
+    #[arg(long)]
+    pub sweep_max_starting: Option<usize>,
     /// Seconds between idle-reaper passes.
     #[arg(long, default_value_t = 30)]
     pub reap_interval: u64,
@@ -138,6 +142,9 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
         ..ControlConfig::default()
     };
     config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
+    if let Some(n) = args.sweep_max_starting {
+        config.sweeps.max_starting = n;
+    }
     let control = ControlPlane::new(store.clone(), host.clone(), config);
     control
         .start_background()

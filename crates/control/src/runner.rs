@@ -14,16 +14,18 @@
 //!
 //! # One attempt
 //!
-//! 1. Claimed: the cell is `running` under a fresh claim id and a lease.
+//! 1. Claimed: the cell is `running` under a fresh claim id and a lease,
+//!    renewed every third of its length until the attempt ends. At most
+//!    `max_starting` attempts do steps 2 and 3 up to the command's start at
+//!    once; the others wait their turn.
 //! 2. A sandbox: a restore of the template, or a fork of the sweep's parent
 //!    (`fork_from`), admitted like any create (host slot first, then the
 //!    account's quota) with metadata `sweep=<id>`. A refusal (host full,
 //!    memory short, quota) or a lost sandbox gives the claim back uncounted
 //!    and backs the runner off: the fleet, not the command, failed.
 //! 3. `workdir` made, `files` written, the command run with `{cell}`
-//!    replaced, the sweep's and Slurm's environment and the timeout; the
-//!    lease is renewed every third of its length meanwhile, and a renewal
-//!    that finds the claim lost or the cell cancelled stops the attempt.
+//!    replaced, the sweep's and Slurm's environment and the timeout; a
+//!    renewal that finds the claim lost or the cell cancelled stops it.
 //! 4. `collect` globs read back, usage read, the sandbox deleted, always;
 //!    then the outcome is recorded with the claim id (a lost claim records
 //!    nothing).
@@ -59,6 +61,9 @@ pub struct RunnerConfig {
     /// How often leases are expired, held sweeps decided and parents of
     /// finished sweeps deleted.
     pub housekeeping: Duration,
+    /// Attempts starting at once (sandbox create, files, command start);
+    /// 0 for no limit. The rest wait their turn, holding their claim.
+    pub max_starting: usize,
 }
 
 impl Default for RunnerConfig {
@@ -69,8 +74,18 @@ impl Default for RunnerConfig {
             poll: Duration::from_millis(300),
             lease: Duration::from_secs(30),
             housekeeping: Duration::from_secs(2),
+            max_starting: default_max_starting(),
         }
     }
+}
+
+/// One start at a time per core: a restore and the first exec in a fresh
+/// guest are CPU-bound (under TCG, mostly code translation), so twenty at
+/// once on two cores each take ten times as long, and the first command
+/// starts only when nearly all of them have. In turns, each start takes
+/// about its uncontended time, and commands start from the first turn on.
+pub fn default_max_starting() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
 /// stdout and stderr are each kept up to this much (the end).
@@ -114,6 +129,9 @@ pub struct Runner {
     backoff: Mutex<Option<(Instant, Duration)>>,
     /// Sandboxes lost per claimed cell, by "sweep/idx".
     losses: Mutex<HashMap<String, u32>>,
+    /// Turns to start an attempt ([`RunnerConfig::max_starting`]), made at
+    /// the first attempt.
+    starting: std::sync::OnceLock<Option<tokio::sync::Semaphore>>,
 }
 
 /// A sweep as its attempts use it, read once.
@@ -474,6 +492,29 @@ async fn run_attempt(
     let sweep = &info.row;
     let mut timings = Timings::default();
     let started = Instant::now();
+    // The lease is renewed from the claim to the end of the attempt: a
+    // start waiting for its turn, or a restore slowed by many others, must
+    // not let it lapse (it did, with twenty VMs starting on two cores).
+    let (renewal_tx, mut renewal) = watch::channel(Renewal::Renewed);
+    let _renewing = AbortOnDrop(tokio::spawn(renew_lease(
+        cp.clone(),
+        claim.clone(),
+        renewal_tx,
+    )));
+    // Held until the command runs (or the attempt stops before): the wait
+    // for a turn counts in `create`.
+    let starting = cp
+        .runner
+        .starting
+        .get_or_init(|| {
+            let n = cp.config.sweeps.max_starting;
+            (n > 0).then(|| tokio::sync::Semaphore::new(n))
+        })
+        .as_ref();
+    let mut turn = match starting {
+        Some(semaphore) => Some(semaphore.acquire().await.expect("never closed")),
+        None => None,
+    };
     let sandbox = match make_sandbox(cp, info, claim).await {
         Ok(sandbox) => sandbox,
         Err(Refusal::Retry(why)) => return release(cp, claim, &why).await,
@@ -525,13 +566,10 @@ async fn run_attempt(
                         Err(e) => classify_agent_error("starting the command", e),
                         Ok(mut handle) => {
                             timings.exec = ms(phase);
+                            drop(turn.take());
                             run_started = Some(Instant::now());
                             let deadline =
                                 tokio::time::Instant::now() + timeout + HOST_TIMEOUT_MARGIN;
-                            let mut renew = tokio::time::interval_at(
-                                tokio::time::Instant::now() + cp.config.sweeps.lease / 3,
-                                cp.config.sweeps.lease / 3,
-                            );
                             loop {
                                 tokio::select! {
                                     event = handle.next_event() => match event {
@@ -540,17 +578,12 @@ async fn run_attempt(
                                         Ok(ExecEvent::Exit(status)) => break Ran::Exited(status),
                                         Err(e) => break classify_agent_error("running the command", e),
                                     },
-                                    _ = renew.tick() => {
-                                        match cp.store.renew_lease(&claim.sweep_id, claim.idx, &claim.claim_id, cp.config.sweeps.lease, now()).await {
-                                            Ok(Renewal::Renewed) => {}
-                                            Ok(Renewal::Cancelled) => break Ran::Cancelled,
-                                            Ok(Renewal::Lost) => break Ran::Lost,
-                                            // The database is away: keep running, the
-                                            // next renewal may get through before the
-                                            // lease ends.
-                                            Err(e) => tracing::warn!(error = %e, "renewing a lease"),
-                                        }
-                                    }
+                                    // Also sees what a renewal found during the start.
+                                    _ = renewal.changed() => match *renewal.borrow_and_update() {
+                                        Renewal::Renewed => {}
+                                        Renewal::Cancelled => break Ran::Cancelled,
+                                        Renewal::Lost => break Ran::Lost,
+                                    },
                                     changed = cancel.changed() => {
                                         if changed.is_ok() && *cancel.borrow() {
                                             break Ran::Cancelled;
@@ -565,6 +598,7 @@ async fn run_attempt(
             }
         }
     };
+    drop(turn.take());
     if let Some(at) = run_started {
         timings.run = ms(at);
     }
@@ -659,6 +693,40 @@ async fn run_attempt(
         outcome.collected = Some(json!(collected));
     }
     finish(cp, claim, &outcome).await;
+}
+
+/// Renews `claim`'s lease every third of its length until aborted, and
+/// says so when a renewal finds the claim lost or the cell cancelled (then
+/// stops renewing, keeping the channel open).
+async fn renew_lease(cp: Arc<ControlPlane>, claim: Claim, found: watch::Sender<Renewal>) {
+    let lease = cp.config.sweeps.lease;
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
+    loop {
+        tick.tick().await;
+        match cp
+            .store
+            .renew_lease(&claim.sweep_id, claim.idx, &claim.claim_id, lease, now())
+            .await
+        {
+            Ok(Renewal::Renewed) => {}
+            Ok(end) => {
+                let _ = found.send(end);
+                return std::future::pending().await;
+            }
+            // The database is away: keep going, the next renewal may get
+            // through before the lease ends.
+            Err(e) => tracing::warn!(error = %e, "renewing a lease"),
+        }
+    }
+}
+
+/// Aborts a task when dropped: the lease renewal ends with its attempt.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Deletes the sandbox of an attempt when dropped, if [`SandboxGuard::delete`]

@@ -617,15 +617,22 @@ impl Engine {
             .unwrap()
             .remove(id)
             .ok_or_else(|| EngineError::NoSuchSandbox(id.to_string()))?;
-        {
+        let held_captures = {
             let mut inner = vm.inner.lock().await;
             if let Some(mut live) = inner.live.take() {
                 vm::kill_process_group(live.pid);
                 let _ = live.child.wait().await;
             }
-        }
+            !inner.source.captures_needed().is_empty()
+        };
         std::fs::remove_dir_all(&vm.dir).io_context(|| format!("removing {}", vm.dir.display()))?;
-        self.collect_captures().await;
+        // Only a VM that held captures can have freed one. The collection
+        // waits for every other VM's lock, a restore in progress included:
+        // run for a plain template VM, it made each delete wait for the
+        // slowest create under way (seconds, with twenty restores at once).
+        if held_captures {
+            self.collect_captures().await;
+        }
         Ok(())
     }
 
