@@ -309,10 +309,11 @@ fn host_table(drop_other_forwarding: bool) -> String {
          \t\tiifname \"{p}*\" drop\n\
          \t}}\n\
          \tchain forward {{ type filter hook forward priority filter - 1;\n\
+         {others}\
          \t\tiifname \"{p}*\" oifname \"{p}*\" drop\n\
          \t\tiifname \"{p}*\" ip daddr {{ {DENIED} }} drop\n\
-         \t\toifname \"{p}*\" ct state != established,related drop\n\
-         {others}\
+         \t\toifname \"{p}*\" ct state established,related accept\n\
+         \t\toifname \"{p}*\" drop\n\
          \t}}\n\
          \tchain postrouting {{ type nat hook postrouting priority srcnat;\n\
          \t\tip saddr {SLOT_NET}/16 oifname != \"{p}*\" masquerade\n\

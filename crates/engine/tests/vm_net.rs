@@ -246,23 +246,29 @@ fn a_guest_service_is_reached_from_its_namespace() {
         )
         .await;
         assert_eq!(code, 0, "{out}");
+        // The server takes a moment to listen: retried until it answers.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
         let mut response = String::new();
-        let served = wait_until(Duration::from_secs(30), || async {
-            let Ok(mut stream) = engine().connect(&sandbox.id, 8000).await else {
-                return false;
-            };
-            stream
-                .write_all(b"GET / HTTP/1.0\r\nHost: sandbox\r\n\r\n")
-                .await
-                .unwrap();
-            response.clear();
-            let mut bytes = Vec::new();
-            stream.read_to_end(&mut bytes).await.unwrap();
-            response = String::from_utf8_lossy(&bytes).into_owned();
-            true
-        })
-        .await;
-        assert!(served, "nothing answered on port 8000");
+        let mut served = false;
+        while std::time::Instant::now() < deadline {
+            let connected = engine().connect(&sandbox.id, 8000).await;
+            if let Err(e) = &connected {
+                response = shoal_engine::error::chain(e);
+            }
+            if let Ok(mut stream) = connected {
+                stream
+                    .write_all(b"GET / HTTP/1.0\r\nHost: sandbox\r\n\r\n")
+                    .await
+                    .unwrap();
+                let mut bytes = Vec::new();
+                stream.read_to_end(&mut bytes).await.unwrap();
+                response = String::from_utf8_lossy(&bytes).into_owned();
+                served = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(served, "nothing answered on port 8000: {response}");
         assert!(response.starts_with("HTTP/1.0 200"), "{response}");
         assert!(response.contains("Directory listing for /"), "{response}");
         assert!(response.contains("hostname"), "{response}");
