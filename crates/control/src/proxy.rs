@@ -94,7 +94,8 @@ async fn forward(
     let host = format!("{}:{port}", shoal_host::GUEST_IP);
     parts.headers.insert(
         header::HOST,
-        host.parse().expect("an address and port are a valid header"),
+        host.parse()
+            .expect("an address and port are a valid header"),
     );
     let response = sender
         .send_request(axum::http::Request::from_parts(parts, body))

@@ -937,11 +937,11 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
     let made = match cp
         .host
         .create(
-                &slot,
-                &row.id,
-                &Source::Template(sweep.template.clone()),
-                CreateOptions::default(),
-            )
+            &slot,
+            &row.id,
+            &Source::Template(sweep.template.clone()),
+            CreateOptions::default(),
+        )
         .await
     {
         Ok(made) => made,

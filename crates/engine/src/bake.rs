@@ -11,8 +11,8 @@
 use crate::accel::{self, Accel};
 use crate::error::{EngineError, IoContext, Result};
 use crate::manifest::{now_unix_ms, Kind, Manifest};
-use crate::qemu::{self, Boot, LaunchSpec, MACHINE_LAYOUT_VERSION};
 use crate::net::NetSlot;
+use crate::qemu::{self, Boot, LaunchSpec, MACHINE_LAYOUT_VERSION};
 use crate::vm::{connect_unix, kill_process_group, with_qemu_log};
 use crate::{lock_file, Engine};
 use serde_json::json;

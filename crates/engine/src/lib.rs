@@ -668,8 +668,7 @@ impl Engine {
             };
             let source = inner.source.clone();
             let net = self.net.take().await?;
-            let live =
-                vm::restore(&ctx, &vm.id, &vm.dir, &source, net, vm.allow_internet).await?;
+            let live = vm::restore(&ctx, &vm.id, &vm.dir, &source, net, vm.allow_internet).await?;
             inner.live = Some(live);
             vm.set_state(&mut inner, VmState::Running);
             vm.store_record(&inner)?;

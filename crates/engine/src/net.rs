@@ -86,7 +86,9 @@ pub struct NetSlot {
 
 impl std::fmt::Debug for NetSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NetSlot").field("index", &self.index).finish()
+        f.debug_struct("NetSlot")
+            .field("index", &self.index)
+            .finish()
     }
 }
 

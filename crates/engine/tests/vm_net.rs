@@ -17,6 +17,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TEMPLATE: &str = "base";
+/// Has the whole Python standard library (`base` has python3-minimal, no
+/// `http.server`).
+const FULL_PYTHON: &str = "code-interpreter";
 const OUTSIDE_NS: &str = "snt-outside";
 const OUTSIDE_HOST_VETH: &str = "snt-host";
 const OUTSIDE_IP: &str = "198.51.100.1";
@@ -24,7 +27,7 @@ const OUTSIDE_HOST_IP: &str = "198.51.100.254";
 const OUTSIDE_PORT: u16 = 8080;
 
 fn engine() -> &'static Engine {
-    shoal_testkit::engine("vm_net", &[TEMPLATE])
+    shoal_testkit::engine("vm_net", &[TEMPLATE, FULL_PYTHON])
 }
 
 fn ip(args: &[&str]) {
@@ -37,14 +40,32 @@ fn ip(args: &[&str]) {
 fn outside() {
     static OUTSIDE: OnceLock<()> = OnceLock::new();
     OUTSIDE.get_or_init(|| {
-        let _ = Command::new("ip").args(["netns", "delete", OUTSIDE_NS]).status();
-        let _ = Command::new("ip").args(["link", "delete", OUTSIDE_HOST_VETH]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "delete", OUTSIDE_NS])
+            .status();
+        let _ = Command::new("ip")
+            .args(["link", "delete", OUTSIDE_HOST_VETH])
+            .status();
         ip(&["netns", "add", OUTSIDE_NS]);
         ip(&[
-            "link", "add", OUTSIDE_HOST_VETH, "type", "veth", "peer", "name", "eth0", "netns",
+            "link",
+            "add",
+            OUTSIDE_HOST_VETH,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
             OUTSIDE_NS,
         ]);
-        ip(&["addr", "add", &format!("{OUTSIDE_HOST_IP}/24"), "dev", OUTSIDE_HOST_VETH]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("{OUTSIDE_HOST_IP}/24"),
+            "dev",
+            OUTSIDE_HOST_VETH,
+        ]);
         ip(&["link", "set", OUTSIDE_HOST_VETH, "up"]);
         for args in [
             vec!["link", "set", "lo", "up"],
@@ -59,7 +80,10 @@ fn outside() {
         let ns = std::fs::File::open(format!("/run/netns/{OUTSIDE_NS}")).unwrap();
         let listener = std::thread::spawn(move || {
             // SAFETY: setns on this fresh thread only.
-            assert_eq!(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+            assert_eq!(
+                unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
+                0
+            );
             std::net::TcpListener::bind((OUTSIDE_IP, OUTSIDE_PORT)).unwrap()
         })
         .join()
@@ -67,7 +91,10 @@ fn outside() {
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let mut stream = stream;
-                let peer = stream.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+                let peer = stream
+                    .peer_addr()
+                    .map(|a| a.ip().to_string())
+                    .unwrap_or_default();
                 let _ = stream.write_all(format!("outside {peer}\n").as_bytes());
             }
         });
@@ -105,8 +132,12 @@ struct Sandbox {
 
 impl Sandbox {
     async fn create(allow_internet: bool) -> Sandbox {
+        Sandbox::create_from(TEMPLATE, allow_internet).await
+    }
+
+    async fn create_from(template: &str, allow_internet: bool) -> Sandbox {
         let info = engine()
-            .create_with(TEMPLATE, None, CreateOptions { allow_internet })
+            .create_with(template, None, CreateOptions { allow_internet })
             .await
             .expect("create");
         Sandbox { id: info.id }
@@ -151,7 +182,10 @@ fn each_sandbox_has_its_own_namespace_and_the_same_guest_address() {
             assert_eq!(code, 0, "{out}");
             assert!(out.contains("inet 10.0.0.2/30"), "{out}");
             assert!(out.contains("default via 10.0.0.1"), "{out}");
-            assert_eq!(engine().get(&sandbox.id).await.unwrap().guest_ip, "10.0.0.2");
+            assert_eq!(
+                engine().get(&sandbox.id).await.unwrap().guest_ip,
+                "10.0.0.2"
+            );
         }
     });
 }
@@ -168,7 +202,10 @@ fn egress_reaches_the_outside_only_when_allowed() {
 
         let closed = Sandbox::create(false).await;
         let (code, out) = guest_connect(&closed.agent().await, OUTSIDE_IP, OUTSIDE_PORT).await;
-        assert_ne!(code, 0, "allow_internet false still reached the outside: {out}");
+        assert_ne!(
+            code, 0,
+            "allow_internet false still reached the outside: {out}"
+        );
 
         // A fork child keeps its parent's choice, in a namespace of its own.
         let fork = engine().fork(&closed.id, 1).await.expect("fork");
@@ -205,7 +242,7 @@ fn sandboxes_reach_neither_each_other_nor_the_host() {
         let server_agent = server.agent().await;
         let (code, out) = sh(
             &server_agent,
-            "nohup python3 -c \"import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 7000)); s.listen(); [c.sendall(b'sandbox\\n') or c.close() for c, _ in iter(s.accept, None)]\" >/dev/null 2>&1 &",
+            "nohup python3 -c \"import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 7000)); s.listen(); [c.sendall(b'sandbox\\n') or c.close() for c, _ in iter(s.accept, None)]\" >/dev/null 2>&1 & for i in $(seq 300); do grep -q ':1B58 ' /proc/net/tcp && break; sleep 0.1; done",
         )
         .await;
         assert_eq!(code, 0, "{out}");
@@ -214,7 +251,11 @@ fn sandboxes_reach_neither_each_other_nor_the_host() {
         let server_info = engine().get(&server.id).await.unwrap();
         let server_veth = server_info.host_veth.clone().unwrap();
         let server_index: u32 = server_veth.trim_start_matches("shoalh").parse().unwrap();
-        let server_egress = format!("10.200.{}.{}", server_index / 64, (server_index % 64) * 4 + 2);
+        let server_egress = format!(
+            "10.200.{}.{}",
+            server_index / 64,
+            (server_index % 64) * 4 + 2
+        );
 
         let client = Sandbox::create(true).await;
         let agent = client.agent().await;
@@ -238,11 +279,11 @@ fn sandboxes_reach_neither_each_other_nor_the_host() {
 #[test]
 fn a_guest_service_is_reached_from_its_namespace() {
     block_on(async {
-        let sandbox = Sandbox::create(false).await;
+        let sandbox = Sandbox::create_from(FULL_PYTHON, false).await;
         let agent = sandbox.agent().await;
         let (code, out) = sh(
             &agent,
-            "cd /etc && nohup python3 -m http.server 8000 >/dev/null 2>&1 &",
+            "cd /etc && nohup python3 -m http.server 8000 >/tmp/http.log 2>&1 &",
         )
         .await;
         assert_eq!(code, 0, "{out}");
@@ -268,7 +309,10 @@ fn a_guest_service_is_reached_from_its_namespace() {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        assert!(served, "nothing answered on port 8000: {response}");
+        if !served {
+            let (_, log) = sh(&agent, "cat /tmp/http.log").await;
+            panic!("nothing answered on port 8000: {response}; server log: {log}");
+        }
         assert!(response.starts_with("HTTP/1.0 200"), "{response}");
         assert!(response.contains("Directory listing for /"), "{response}");
         assert!(response.contains("hostname"), "{response}");
@@ -315,16 +359,26 @@ fn crash_helper() {
 #[test]
 fn a_sigkilled_engine_s_networks_are_reaped_at_restart() {
     engine();
-    let state = std::env::temp_dir().join("shoal-tests").join("vm_net-crash");
+    let state = std::env::temp_dir()
+        .join("shoal-tests")
+        .join("vm_net-crash");
     let _ = std::fs::create_dir_all(&state);
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "crash_helper", "--nocapture", "--test-threads=1"])
         .env("SHOAL_NET_CRASH_STATE", &state)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut output = String::new();
     let mut stdout = child.stdout.take().unwrap();
+    let mut child = KillOnDrop(child);
+    let mut output = String::new();
     let mut buffer = [0u8; 4096];
     while !output.contains("READY") {
         let n = stdout.read(&mut buffer).unwrap();
@@ -333,13 +387,13 @@ fn a_sigkilled_engine_s_networks_are_reaped_at_restart() {
     }
     let veths: Vec<String> = output
         .lines()
-        .filter_map(|l| l.strip_prefix("VETH "))
+        .filter_map(|l| l.split_once("VETH ").map(|(_, rest)| rest))
         .map(|l| l.split(' ').next().unwrap().to_string())
         .collect();
     assert_eq!(veths.len(), 2, "{output}");
     // SAFETY: kill(2) of our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    child.wait().unwrap();
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGKILL) };
+    child.0.wait().unwrap();
     // The helper's QEMUs outlive it and hold their namespaces.
     for veth in &veths {
         assert!(shoal_engine::net::shoal_veths().contains(veth));
