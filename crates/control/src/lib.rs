@@ -17,6 +17,7 @@ mod extract;
 mod files;
 mod lifecycle;
 mod meta;
+mod proxy;
 mod repl;
 mod runner;
 mod sandboxes;
@@ -27,7 +28,7 @@ pub use error::{ApiError, ApiResult};
 pub use lifecycle::LifecycleConfig;
 pub use runner::RunnerConfig;
 
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::Router;
 use shoal_host::HostAgent;
 use shoal_store::{Account, Store, Tier, TierLimits};
@@ -163,6 +164,11 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route(&format!("{sandbox}/snapshots"), post(sandboxes::snapshot))
         .route(&format!("{sandbox}/logs"), get(meta::logs))
         .route(&format!("{sandbox}/ports"), get(meta::ports))
+        .route(&format!("{sandbox}/proxy/{{port}}"), any(proxy::proxy_root))
+        .route(
+            &format!("{sandbox}/proxy/{{port}}/{{*path}}"),
+            any(proxy::proxy_path),
+        )
         .route(&format!("{sandbox}/usage"), get(usage::sandbox_usage))
         .route(&format!("{sandbox}/repl/sessions"), post(repl::create))
         .route(

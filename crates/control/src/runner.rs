@@ -33,7 +33,7 @@
 use crate::{now, ControlPlane};
 use base64::Engine as _;
 use serde_json::{json, Value};
-use shoal_host::{HostError, Source};
+use shoal_host::{CreateOptions, HostError, Source};
 use shoal_proto::client::{AgentClient, AgentError, ExecEvent, ExecRequest};
 use shoal_proto::ErrorKind;
 use shoal_store::{
@@ -907,7 +907,12 @@ async fn make_sandbox(
         }
         _ => cp
             .host
-            .create(&slot, &row.id, &Source::Template(sweep.template.clone()))
+            .create(
+                &slot,
+                &row.id,
+                &Source::Template(sweep.template.clone()),
+                CreateOptions::default(),
+            )
             .await
             .map(|info| (info, "restore")),
     };
@@ -1011,7 +1016,12 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         .map_err(|e| Refusal::Retry(format!("fork parent: {e}")))?;
     let made = match cp
         .host
-        .create(&slot, &row.id, &Source::Template(sweep.template.clone()))
+        .create(
+            &slot,
+            &row.id,
+            &Source::Template(sweep.template.clone()),
+            CreateOptions::default(),
+        )
         .await
     {
         Ok(made) => made,

@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shoal_host::{SandboxInfo, Source};
+use shoal_host::{CreateOptions, SandboxInfo, Source};
 use shoal_store::{status, Account, Metadata, NewSandbox, SandboxPatch, SandboxRow, SnapshotRow};
 use std::sync::Arc;
 
@@ -96,6 +96,7 @@ impl ControlPlane {
             host: Some(self.config.host_name.clone()),
             boot_ms: Some(info.restore_ms),
             boot_mode: Some(mode.into()),
+            guest_ip: Some(info.guest_ip.clone()),
             if_status: Some(status::CREATING.into()),
             ..SandboxPatch::default()
         };
@@ -104,6 +105,7 @@ impl ControlPlane {
         row.host = Some(self.config.host_name.clone());
         row.boot_ms = Some(info.restore_ms);
         row.boot_mode = Some(mode.into());
+        row.guest_ip = Some(info.guest_ip.clone());
         Ok(())
     }
 
@@ -168,6 +170,9 @@ pub struct CreateBody {
     metadata: Option<Metadata>,
     from_snapshot: Option<String>,
     volumes: Option<Vec<VolumeRef>>,
+    /// Whether the guest may open connections to the internet (default
+    /// true); never to private addresses, the host or other sandboxes.
+    allow_internet: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -277,7 +282,10 @@ async fn create_detached(
         .store
         .admit_sandbox(&account, &new, &cp.limits(account.tier), now())
         .await?;
-    match cp.host.create(&slot, &row.id, &source).await {
+    let options = CreateOptions {
+        allow_internet: body.allow_internet.unwrap_or(true),
+    };
+    match cp.host.create(&slot, &row.id, &source, options).await {
         Ok(info) => {
             cp.came_up(&mut row, &info, mode).await?;
             Ok((StatusCode::CREATED, Json(sandbox_json(&row))))

@@ -29,7 +29,9 @@ async fn the_document_and_the_router_agree() {
         let concrete = path
             .replace("{id}", "sb-000000000000")
             .replace("{session_id}", "ctx-0")
-            .replace("{index}", "0");
+            .replace("{index}", "0")
+            .replace("{port}", "8000")
+            .replace("{path}", "index.html");
         for method in METHODS {
             let documented = ops.get(method.to_lowercase()).is_some();
             let request = Request::builder()

@@ -11,6 +11,7 @@
 use crate::accel::{self, Accel};
 use crate::error::{EngineError, IoContext, Result};
 use crate::manifest::{now_unix_ms, Kind, Manifest};
+use crate::net::NetSlot;
 use crate::qemu::{self, Boot, LaunchSpec, MACHINE_LAYOUT_VERSION};
 use crate::vm::{connect_unix, kill_process_group, with_qemu_log};
 use crate::{lock_file, Engine};
@@ -190,9 +191,11 @@ impl Engine {
                 initramfs: artifacts.initramfs.clone(),
                 cmdline: cmdline.to_string(),
             },
+            net_namespace: -1,
         };
-        let booted = cold_boot(&launch).await?;
+        let booted = cold_boot(&launch, self.net.take().await?).await?;
         let ColdBoot {
+            _net,
             mut child,
             pid,
             qmp,
@@ -251,6 +254,8 @@ impl Engine {
 }
 
 struct ColdBoot {
+    /// Held until QEMU is gone.
+    _net: NetSlot,
     child: tokio::process::Child,
     pid: u32,
     qmp: shoal_qmp::Qmp,
@@ -260,8 +265,10 @@ struct ColdBoot {
 
 /// Boots `launch` from its kernel and waits for the guest agent. On failure
 /// the QEMU process is killed.
-async fn cold_boot(launch: &LaunchSpec) -> Result<ColdBoot> {
+async fn cold_boot(launch: &LaunchSpec, net: NetSlot) -> Result<ColdBoot> {
     let started = std::time::Instant::now();
+    let mut launch = launch.clone();
+    launch.net_namespace = net.ns_fd();
     let mut child = launch.spawn(None)?;
     let pid = child.id().unwrap_or(0);
     let dir = &launch.dir;
@@ -280,6 +287,7 @@ async fn cold_boot(launch: &LaunchSpec) -> Result<ColdBoot> {
     .await;
     match connected {
         Ok((qmp, agent)) => Ok(ColdBoot {
+            _net: net,
             child,
             pid,
             qmp,
@@ -345,8 +353,9 @@ impl Engine {
                     initramfs: artifacts.initramfs.clone(),
                     cmdline: self.kernel_cmdline(),
                 },
+                net_namespace: -1,
             };
-            let mut booted = cold_boot(&launch).await?;
+            let mut booted = cold_boot(&launch, self.net.take().await?).await?;
             kill_process_group(booted.pid);
             let _ = booted.child.wait().await;
             Ok(booted.boot_ms)

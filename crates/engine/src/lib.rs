@@ -5,8 +5,11 @@
 //! (`vm`), copy-on-write fork, user snapshots, hibernate and wake (`capture`
 //! via `memory`), and reaping what a crashed run left behind (`reap`).
 //!
-//! Does not own: HTTP, accounts, quotas, placement or networking; the
-//! control plane decides which sandbox exists and calls in here. Speaks QMP
+//! Networking (`net`): every VM's QEMU runs in a network namespace of its
+//! own, taken from a pool prepared in the background.
+//!
+//! Does not own: HTTP, accounts, quotas or placement; the control plane
+//! decides which sandbox exists and calls in here. Speaks QMP
 //! only through `shoal-qmp` and the guest protocol only through
 //! `shoal-proto`. One engine owns one state directory, enforced by a lock.
 //!
@@ -29,6 +32,7 @@ mod capture;
 pub mod error;
 pub mod manifest;
 pub mod memory;
+pub mod net;
 pub mod qemu;
 mod reap;
 pub mod vm;
@@ -64,6 +68,8 @@ pub struct EngineConfig {
     /// `None`: a directory under `/dev/shm` named after the state dir, or
     /// the captures directory where `/dev/shm` is missing.
     pub fork_memory_dir: Option<PathBuf>,
+    /// Network namespaces kept prepared, so a create only takes one.
+    pub net_pool_size: usize,
 }
 
 impl EngineConfig {
@@ -76,6 +82,7 @@ impl EngineConfig {
             accel: None,
             proc_root: PathBuf::from("/proc"),
             fork_memory_dir: None,
+            net_pool_size: 4,
         }
     }
 
@@ -107,6 +114,27 @@ pub struct SandboxInfo {
     pub created_unix_ms: u64,
     /// Wall time of the restore that made it, until the agent answered.
     pub restore_ms: f64,
+    /// The guest's address inside its own namespace (the same in every
+    /// sandbox).
+    pub guest_ip: String,
+    pub allow_internet: bool,
+    /// The host end of its veth pair, while it has a QEMU process.
+    pub host_veth: Option<String>,
+}
+
+/// What a create may choose besides its source.
+#[derive(Debug, Clone)]
+pub struct CreateOptions {
+    /// Whether the guest may open connections beyond its namespace.
+    pub allow_internet: bool,
+}
+
+impl Default for CreateOptions {
+    fn default() -> Self {
+        CreateOptions {
+            allow_internet: true,
+        }
+    }
 }
 
 /// The children of a fork, and how long the parent's state took to capture
@@ -135,6 +163,7 @@ pub struct Engine {
     /// Fork points whose children are still being restored: no VM refers to
     /// them yet, but they must not be collected.
     pinned: Mutex<HashMap<String, usize>>,
+    pub(crate) net: Arc<net::NetPool>,
     _lock: std::fs::File,
 }
 
@@ -159,6 +188,10 @@ impl Engine {
             accel::detect(&config.proc_root.join("cpuinfo"), Path::new("/dev/kvm"))
         });
         let qemu_version = qemu::version_id(&config.qemu)?;
+        // QEMU processes a crashed run left are killed first (below), which
+        // frees their namespaces; the pool reaps veths no engine holds.
+        let hibernated = reap::reap_leftovers(&config.state_dir, &config.proc_root)?;
+        let net = net::NetPool::open(config.net_pool_size)?;
         let engine = Engine {
             config,
             accel,
@@ -166,9 +199,9 @@ impl Engine {
             vms: Mutex::new(HashMap::new()),
             gc_lock: tokio::sync::Mutex::new(()),
             pinned: Mutex::new(HashMap::new()),
+            net,
             _lock: lock,
         };
-        let hibernated = reap::reap_leftovers(&engine.config.state_dir, &engine.config.proc_root)?;
         for record in hibernated {
             let vm = Arc::new(Vm {
                 id: record.id.clone(),
@@ -181,6 +214,7 @@ impl Engine {
                 state_now: Mutex::new((VmState::Hibernated, None)),
                 created_unix_ms: record.created_unix_ms,
                 restore_ms: Mutex::new(0.0),
+                allow_internet: record.allow_internet,
             });
             engine.vms.lock().unwrap().insert(record.id, vm);
         }
@@ -251,9 +285,20 @@ impl Engine {
 
     /// Creates a sandbox by restoring template `template`.
     pub async fn create(&self, template: &str, id: Option<String>) -> Result<SandboxInfo> {
+        self.create_with(template, id, CreateOptions::default())
+            .await
+    }
+
+    /// [`Engine::create`] with options.
+    pub async fn create_with(
+        &self,
+        template: &str,
+        id: Option<String>,
+        options: CreateOptions,
+    ) -> Result<SandboxInfo> {
         let source = self.template(template)?;
         let id = id.unwrap_or_else(new_sandbox_id);
-        self.start_from(id, source).await
+        self.start_from(id, source, options.allow_internet).await
     }
 
     /// Creates a sandbox from a user snapshot.
@@ -262,9 +307,20 @@ impl Engine {
         snapshot: &str,
         id: Option<String>,
     ) -> Result<SandboxInfo> {
+        self.create_from_snapshot_with(snapshot, id, CreateOptions::default())
+            .await
+    }
+
+    /// [`Engine::create_from_snapshot`] with options.
+    pub async fn create_from_snapshot_with(
+        &self,
+        snapshot: &str,
+        id: Option<String>,
+        options: CreateOptions,
+    ) -> Result<SandboxInfo> {
         let source = self.snapshot_manifest(snapshot)?;
         let id = id.unwrap_or_else(new_sandbox_id);
-        self.start_from(id, source).await
+        self.start_from(id, source, options.allow_internet).await
     }
 
     fn snapshot_manifest(&self, snapshot: &str) -> Result<Manifest> {
@@ -280,7 +336,12 @@ impl Engine {
         Ok(manifest)
     }
 
-    async fn start_from(&self, id: String, source: Manifest) -> Result<SandboxInfo> {
+    async fn start_from(
+        &self,
+        id: String,
+        source: Manifest,
+        allow_internet: bool,
+    ) -> Result<SandboxInfo> {
         if !valid_id(&id) {
             return Err(EngineError::InvalidInput(format!(
                 "sandbox id {id:?} must be 1-64 of [a-z0-9-]"
@@ -298,6 +359,7 @@ impl Engine {
             state_now: Mutex::new((VmState::Running, None)),
             created_unix_ms: manifest::now_unix_ms(),
             restore_ms: Mutex::new(0.0),
+            allow_internet,
         });
         {
             let mut vms = self.vms.lock().unwrap();
@@ -333,7 +395,8 @@ impl Engine {
         let mut inner = vm.inner.lock().await;
         // vm.json goes first with no pid, so a crash mid-restore is reaped.
         vm.store_record(&inner)?;
-        let live = vm::restore(&ctx, &vm.id, &vm.dir, source).await?;
+        let net = self.net.take().await?;
+        let live = vm::restore(&ctx, &vm.id, &vm.dir, source, net, vm.allow_internet).await?;
         inner.live = Some(live);
         inner.source = source.clone();
         vm.set_state(&mut inner, VmState::Running);
@@ -387,6 +450,9 @@ impl Engine {
             pid: inner.live.as_ref().map(|l| l.pid),
             created_unix_ms: vm.created_unix_ms,
             restore_ms: *vm.restore_ms.lock().unwrap(),
+            guest_ip: net::GUEST_IP.to_string(),
+            allow_internet: vm.allow_internet,
+            host_veth: inner.live.as_ref().map(|l| l.net.host_veth()),
         }
     }
 
@@ -487,7 +553,8 @@ impl Engine {
                 .acquire()
                 .await
                 .expect("the semaphore is never closed");
-            self.start_from(child, point.clone()).await
+            self.start_from(child, point.clone(), vm.allow_internet)
+                .await
         }))
         .await;
         drop(pin);
@@ -600,7 +667,8 @@ impl Engine {
                 empty_overlay: &overlay,
             };
             let source = inner.source.clone();
-            let live = vm::restore(&ctx, &vm.id, &vm.dir, &source).await?;
+            let net = self.net.take().await?;
+            let live = vm::restore(&ctx, &vm.id, &vm.dir, &source, net, vm.allow_internet).await?;
             inner.live = Some(live);
             vm.set_state(&mut inner, VmState::Running);
             vm.store_record(&inner)?;
@@ -644,6 +712,28 @@ impl Engine {
         }
     }
 
+    /// A TCP connection to `port` of a running sandbox's guest, opened from
+    /// inside its network namespace (the host has no route to the guest).
+    pub async fn connect(&self, id: &str, port: u16) -> Result<tokio::net::TcpStream> {
+        let socket = {
+            let vm = self.vm(id)?;
+            let inner = vm.inner.lock().await;
+            let live = running(&vm, &inner)?;
+            live.net.tcp_socket()?
+        };
+        let socket = tokio::net::TcpSocket::from_std_stream(socket);
+        let address = std::net::SocketAddr::from((net::GUEST_IP, port));
+        socket
+            .connect(address)
+            .await
+            .io_context(|| format!("connecting to {address} in sandbox {id}"))
+    }
+
+    /// Network namespaces prepared and waiting for a create.
+    pub fn net_pool_ready(&self) -> usize {
+        self.net.ready_count()
+    }
+
     /// CPU time and memory of a sandbox's QEMU process.
     pub fn usage(&self, id: &str) -> Result<Option<Usage>> {
         let vm = self.vm(id)?;
@@ -663,6 +753,12 @@ impl Engine {
         }
         needed.extend(self.pinned.lock().unwrap().keys().cloned());
         reap::collect_captures(&self.captures_dir(), &self.fork_memory_dir(), needed);
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.net.close();
     }
 }
 

@@ -10,14 +10,14 @@
 use crate::accel::Accel;
 use crate::error::{IoContext, Result};
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use tokio::process::Command as AsyncCommand;
 
 /// Bumped whenever the device layout or anything else that a snapshot's
 /// device state depends on changes; it is part of every bake's input hash.
-pub const MACHINE_LAYOUT_VERSION: u32 = 1;
+pub const MACHINE_LAYOUT_VERSION: u32 = 2;
 
 /// The descriptor number the device state file is handed to QEMU on.
 pub const INCOMING_FD: i32 = 3;
@@ -45,6 +45,9 @@ pub struct LaunchSpec {
     /// Per-VM directory: sockets, console log, QEMU's own log.
     pub dir: PathBuf,
     pub boot: Boot,
+    /// The network namespace QEMU joins before exec (see `net.rs`); its
+    /// `tap0` backs the guest's virtio-net device.
+    pub net_namespace: RawFd,
 }
 
 #[derive(Debug, Clone)]
@@ -152,6 +155,17 @@ impl LaunchSpec {
         }
         push("-device");
         push("virtio-blk-device,drive=root");
+        // Last, so the devices before it keep the numbers they had.
+        push("-netdev");
+        push(&format!(
+            "tap,id=net0,ifname={},script=no,downscript=no,vnet_hdr=on",
+            crate::net::TAP
+        ));
+        push("-device");
+        push(&format!(
+            "virtio-net-device,netdev=net0,mac={}",
+            crate::net::GUEST_MAC
+        ));
         match &self.boot {
             Boot::Kernel {
                 kernel,
@@ -226,23 +240,28 @@ impl LaunchSpec {
             .stderr(log)
             .process_group(0)
             .kill_on_drop(false);
-        if let Some(fd) = incoming {
-            let raw = fd.as_raw_fd();
-            // SAFETY: between fork and exec only async-signal-safe calls are
-            // made (dup2, fcntl); `fd` stays open in the parent until spawn
-            // returns because it is moved into this closure.
-            unsafe {
-                command.pre_exec(move || {
-                    let _keep = &fd;
+        let incoming_raw = incoming.as_ref().map(|fd| fd.as_raw_fd());
+        let namespace = self.net_namespace;
+        // SAFETY: between fork and exec only async-signal-safe calls are
+        // made (setns, dup2, fcntl); `incoming` stays open in the parent
+        // until spawn returns because it is moved into this closure, and
+        // the namespace descriptor is held by the caller's slot.
+        unsafe {
+            command.pre_exec(move || {
+                let _keep = &incoming;
+                if libc::setns(namespace, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some(raw) = incoming_raw {
                     if raw == INCOMING_FD {
                         let flags = libc::fcntl(raw, libc::F_GETFD);
                         libc::fcntl(raw, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
                     } else if libc::dup2(raw, INCOMING_FD) < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                    Ok(())
-                });
-            }
+                }
+                Ok(())
+            });
         }
         command
             .spawn()
@@ -281,6 +300,7 @@ mod tests {
             disk_top: "/v/disk.qcow2".into(),
             dir: "/v".into(),
             boot,
+            net_namespace: -1,
         }
     }
 
@@ -300,6 +320,8 @@ mod tests {
         assert!(args.contains("migration.send-configuration=off"));
         assert!(!args.contains("-kernel"));
         assert!(args.contains("spawn=deny"));
+        assert!(args.contains("-netdev tap,id=net0,ifname=tap0,script=no"));
+        assert!(args.contains("virtio-net-device,netdev=net0,mac=02:53:48:00:00:02"));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 use crate::accel::Accel;
 use crate::error::{EngineError, IoContext, Result};
 use crate::manifest::{write_json_atomically, Manifest};
+use crate::net::NetSlot;
 use crate::qemu::{self, Boot, LaunchSpec};
 use serde::{Deserialize, Serialize};
 use shoal_proto::client::AgentClient;
@@ -48,6 +49,13 @@ pub struct VmRecord {
     pub state: VmState,
     pub source: Manifest,
     pub created_unix_ms: u64,
+    /// Whether the guest may open connections to the internet.
+    #[serde(default = "yes")]
+    pub allow_internet: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 pub(crate) struct Live {
@@ -55,6 +63,8 @@ pub(crate) struct Live {
     pub pid: u32,
     pub qmp: Qmp,
     pub agent: AgentClient,
+    /// The network namespace QEMU runs in; released with the process.
+    pub net: NetSlot,
 }
 
 pub struct Vm {
@@ -65,6 +75,7 @@ pub struct Vm {
     pub(crate) state_now: Mutex<(VmState, Option<u32>)>,
     pub created_unix_ms: u64,
     pub restore_ms: Mutex<f64>,
+    pub allow_internet: bool,
 }
 
 pub(crate) struct VmInner {
@@ -95,6 +106,7 @@ impl Vm {
             state: inner.state,
             source: inner.source.clone(),
             created_unix_ms: self.created_unix_ms,
+            allow_internet: self.allow_internet,
         }
     }
 
@@ -118,7 +130,12 @@ pub(crate) async fn restore(
     id: &str,
     dir: &Path,
     source: &Manifest,
+    net: NetSlot,
+    allow_internet: bool,
 ) -> Result<Live> {
+    if allow_internet {
+        net.allow_internet()?;
+    }
     let disk_top = dir.join("disk.qcow2");
     std::fs::copy(ctx.empty_overlay, &disk_top)
         .io_context(|| format!("creating {}", disk_top.display()))?;
@@ -133,6 +150,7 @@ pub(crate) async fn restore(
         disk_top,
         dir: dir.to_path_buf(),
         boot: Boot::Restore,
+        net_namespace: net.ns_fd(),
     };
     let devices = std::fs::File::open(&source.devices_file)
         .io_context(|| format!("opening {}", source.devices_file.display()))?;
@@ -150,6 +168,7 @@ pub(crate) async fn restore(
             pid,
             qmp,
             agent,
+            net,
         }),
         Err(e) => {
             kill_process_group(pid);

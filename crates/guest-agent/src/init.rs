@@ -1,5 +1,7 @@
 //! What the agent does first when it is the guest's PID 1 (`--init`): the
-//! mounts a userland expects, a sane environment, the loopback interface.
+//! mounts a userland expects, a sane environment, the loopback interface
+//! and eth0 (the fixed address every sandbox has, see
+//! `shoal_proto::GUEST_ADDRESS`; the template is baked with it set).
 //! Every step logs and carries on when it fails: PID 1 must never exit.
 //!
 //! Does not own: /dev, /proc and /sys (the initramfs mounted them and moved
@@ -36,8 +38,11 @@ pub fn setup() {
     if let Err(err) = make_ptmx_usable() {
         crate::log(&format!("/dev/ptmx: {err}"));
     }
-    if let Err(err) = loopback_up() {
+    if let Err(err) = interface_up("lo") {
         crate::log(&format!("bringing up lo failed: {err}"));
+    }
+    if let Err(err) = eth0_up() {
+        crate::log(&format!("configuring eth0 failed: {err}"));
     }
 }
 
@@ -101,22 +106,93 @@ struct IfreqFlags {
 const SIOCGIFFLAGS: libc::c_ulong = 0x8913;
 const SIOCSIFFLAGS: libc::c_ulong = 0x8914;
 
-fn loopback_up() -> io::Result<()> {
+/// `struct ifreq` with a `sockaddr` in its union.
+#[repr(C)]
+struct IfreqAddr {
+    name: [libc::c_char; libc::IFNAMSIZ],
+    addr: libc::sockaddr_in,
+    _pad: [u8; 8],
+}
+
+const SIOCSIFADDR: libc::c_ulong = 0x8916;
+const SIOCSIFNETMASK: libc::c_ulong = 0x891c;
+
+fn ifname(name: &str) -> [libc::c_char; libc::IFNAMSIZ] {
+    let mut out = [0; libc::IFNAMSIZ];
+    for (dst, src) in out.iter_mut().zip(name.bytes().take(libc::IFNAMSIZ - 1)) {
+        *dst = src as libc::c_char;
+    }
+    out
+}
+
+fn sockaddr_in(octets: [u8; 4]) -> libc::sockaddr_in {
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_be_bytes(octets).to_be(),
+        },
+        sin_zero: [0; 8],
+    }
+}
+
+fn inet_socket() -> io::Result<OwnedFd> {
     // SAFETY: socket takes no pointers; the result is checked.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: fd is fresh and owned by nobody else.
-    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// eth0 gets the sandbox address and a default route via its gateway.
+fn eth0_up() -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if !std::path::Path::new("/sys/class/net/eth0").exists() {
+        return Err(io::Error::new(io::ErrorKind::NotFound, "no eth0"));
+    }
+    let socket = inet_socket()?;
+    for (request, octets) in [
+        (SIOCSIFADDR, shoal_proto::GUEST_ADDRESS),
+        (SIOCSIFNETMASK, shoal_proto::GUEST_NETMASK),
+    ] {
+        let req = IfreqAddr {
+            name: ifname("eth0"),
+            addr: sockaddr_in(octets),
+            _pad: [0; 8],
+        };
+        // SAFETY: the ioctl reads an ifreq-sized struct we own.
+        if unsafe { libc::ioctl(socket.as_raw_fd(), request as _, &req) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    interface_up("eth0")?;
+    let as_sockaddr = |octets| {
+        // SAFETY: sockaddr_in and sockaddr have the same size and any bit
+        // pattern is a valid sockaddr.
+        unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sockaddr_in(octets)) }
+    };
+    // SAFETY: rtentry is plain data; zero is its empty value.
+    let mut route: libc::rtentry = unsafe { std::mem::zeroed() };
+    route.rt_dst = as_sockaddr([0; 4]);
+    route.rt_genmask = as_sockaddr([0; 4]);
+    route.rt_gateway = as_sockaddr(shoal_proto::GUEST_GATEWAY);
+    route.rt_flags = libc::RTF_UP | libc::RTF_GATEWAY;
+    // SAFETY: SIOCADDRT reads an rtentry we own.
+    if unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCADDRT as _, &route) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn interface_up(name: &str) -> io::Result<()> {
+    let socket = inet_socket()?;
     let mut req = IfreqFlags {
-        name: [0; libc::IFNAMSIZ],
+        name: ifname(name),
         flags: 0,
         _pad: [0; 22],
     };
-    for (dst, src) in req.name.iter_mut().zip(b"lo") {
-        *dst = *src as libc::c_char;
-    }
     use std::os::fd::AsRawFd;
     // SAFETY: the ioctl reads and writes an ifreq-sized struct we own.
     if unsafe { libc::ioctl(socket.as_raw_fd(), SIOCGIFFLAGS as _, &mut req) } < 0 {

@@ -12,7 +12,10 @@ mod capacity;
 mod repl;
 
 pub use capacity::{Capacity, Reservation};
-pub use shoal_engine::{Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage, VmState};
+pub use shoal_engine::net::GUEST_IP;
+pub use shoal_engine::{
+    CreateOptions, Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage, VmState,
+};
 pub use shoal_repl::{CellOutput, ReplError};
 
 use std::sync::Arc;
@@ -97,12 +100,14 @@ impl HostAgent {
         _slot: &Reservation,
         id: &str,
         source: &Source,
+        options: CreateOptions,
     ) -> Result<SandboxInfo> {
+        let id = Some(id.to_string());
         let info = match source {
-            Source::Template(name) => self.engine.create(name, Some(id.to_string())).await?,
+            Source::Template(name) => self.engine.create_with(name, id, options).await?,
             Source::Snapshot(snapshot) => {
                 self.engine
-                    .create_from_snapshot(snapshot, Some(id.to_string()))
+                    .create_from_snapshot_with(snapshot, id, options)
                     .await?
             }
         };

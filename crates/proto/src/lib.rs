@@ -58,6 +58,16 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// (`/dev/virtio-ports/<name>` in the guest).
 pub const AGENT_PORT_NAME: &str = "org.shoal.agent";
 
+/// The guest's eth0 address, the same in every sandbox: each sandbox has a
+/// network namespace of its own on the host, so identical addresses never
+/// meet. The agent sets it when the guest boots (before the template is
+/// baked); the host's side of the link is [`GUEST_GATEWAY`].
+pub const GUEST_ADDRESS: [u8; 4] = [10, 0, 0, 2];
+/// The guest's default gateway: the host's end of the guest's tap device.
+pub const GUEST_GATEWAY: [u8; 4] = [10, 0, 0, 1];
+/// The guest link's netmask (a /30: the guest and its gateway).
+pub const GUEST_NETMASK: [u8; 4] = [255, 255, 255, 252];
+
 /// Largest payload of one frame; bulk data is cut into chunks of this size.
 pub const MAX_CHUNK: usize = 64 * 1024;
 
