@@ -332,25 +332,7 @@ fn three_hosts_spread_lose_one_and_fill_up() {
             work.display()
         );
 
-        let token = {
-            let out = Command::new(shoal)
-                .args(["token", "create", "--account", "fleet", "--tier", "team"])
-                .args(["--database-url", &db.url])
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8(out.stdout)
-                .unwrap()
-                .trim()
-                .lines()
-                .last()
-                .unwrap()
-                .to_owned()
-        };
+        let token = shoal_testkit::api_token(Path::new(shoal), &db.url, "fleet", None);
         let api = Api {
             http: http.clone(),
             base: front_url.clone(),

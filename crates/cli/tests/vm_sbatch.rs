@@ -103,25 +103,12 @@ impl Drop for Up {
 }
 
 fn token(database_url: &str, state: &Path) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-        .args(["token", "create", "--account", "slurm", "--tier", "team"])
-        .args(["--database-url", database_url])
-        .arg("--state-dir")
-        .arg(state)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .trim()
-        .lines()
-        .last()
-        .unwrap()
-        .to_owned()
+    shoal_testkit::api_token(
+        Path::new(env!("CARGO_BIN_EXE_shoal")),
+        database_url,
+        "slurm",
+        Some(state),
+    )
 }
 
 /// Runs `shoal <args>` as a Slurm user would, in `dir`, with the API in

@@ -115,25 +115,12 @@ async fn wait_healthy(base: &str) {
 }
 
 fn token(database_url: &str, state: &Path) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
-        .args(["token", "create", "--account", "crash", "--tier", "team"])
-        .args(["--database-url", database_url])
-        .arg("--state-dir")
-        .arg(state)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .trim()
-        .lines()
-        .last()
-        .unwrap()
-        .to_owned()
+    shoal_testkit::api_token(
+        Path::new(env!("CARGO_BIN_EXE_shoal")),
+        database_url,
+        "crash",
+        Some(state),
+    )
 }
 
 /// The QEMU processes running out of `state`.

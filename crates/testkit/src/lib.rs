@@ -144,6 +144,31 @@ pub fn processes_mentioning(needle: &str) -> Vec<u32> {
 }
 
 /// Everything under `dir` (recursively), as paths relative to it.
+/// A new team-tier API token for `account`, made by `shoal token create`
+/// (`shoal` is the binary under test) on `database_url`.
+pub fn api_token(shoal: &Path, database_url: &str, account: &str, state: Option<&Path>) -> String {
+    let mut command = std::process::Command::new(shoal);
+    command
+        .args(["token", "create", "--account", account, "--tier", "team"])
+        .args(["--database-url", database_url]);
+    if let Some(state) = state {
+        command.arg("--state-dir").arg(state);
+    }
+    let out = command.output().expect("running shoal token create");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .lines()
+        .last()
+        .unwrap()
+        .to_owned()
+}
+
 pub fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
