@@ -70,6 +70,9 @@ pub struct EngineConfig {
     pub fork_memory_dir: Option<PathBuf>,
     /// Network namespaces kept prepared, so a create only takes one.
     pub net_pool_size: usize,
+    /// Where guests' DNS queries (to their gateway) are sent; `None`: the
+    /// host's own resolver ([`net::host_resolver`]).
+    pub dns_upstream: Option<std::net::Ipv4Addr>,
 }
 
 impl EngineConfig {
@@ -83,6 +86,7 @@ impl EngineConfig {
             proc_root: PathBuf::from("/proc"),
             fork_memory_dir: None,
             net_pool_size: 4,
+            dns_upstream: None,
         }
     }
 
@@ -191,7 +195,8 @@ impl Engine {
         // QEMU processes a crashed run left are killed first (below), which
         // frees their namespaces; the pool reaps veths no engine holds.
         let hibernated = reap::reap_leftovers(&config.state_dir, &config.proc_root)?;
-        let net = net::NetPool::open(config.net_pool_size)?;
+        let dns = config.dns_upstream.unwrap_or_else(net::host_resolver);
+        let net = net::NetPool::open(config.net_pool_size, dns)?;
         let engine = Engine {
             config,
             accel,

@@ -20,7 +20,11 @@
 //!
 //! A slot is prepared without a default route: egress is off until
 //! [`NetSlot::allow_internet`] adds it, so a failure leaves a sandbox cut
-//! off rather than open. The host's table ([`HOST_TABLE`]) drops whatever
+//! off rather than open. The guest's resolver is its gateway: the
+//! namespace rewrites DNS to it (port 53, UDP and TCP) to the host's own
+//! upstream resolver ([`host_resolver`]), the one private address a
+//! sandbox may reach, and only on port 53 (so only with egress on, since
+//! the upstream is reached through the default route). The host's table ([`HOST_TABLE`]) drops whatever
 //! reaches the host itself from a `shoalh*` interface, forwarding between
 //! them, and forwarding to private ranges; it masquerades sandboxes out.
 //!
@@ -150,6 +154,8 @@ fn slot_ip(index: u32, host: u32) -> Ipv4Addr {
 pub struct NetPool {
     ready: Mutex<Vec<NetSlot>>,
     target: usize,
+    /// Where guests' DNS queries go (see [`host_resolver`]).
+    dns: Ipv4Addr,
     refill: tokio::sync::Notify,
     /// Held shared while the engine runs; whoever gets it exclusively is
     /// the last engine and may remove the host table.
@@ -159,7 +165,7 @@ pub struct NetPool {
 impl NetPool {
     /// Sets up the host side (reaping what dead engines left), and starts
     /// filling a pool of `target` slots.
-    pub fn open(target: usize) -> Result<Arc<NetPool>> {
+    pub fn open(target: usize, dns: Ipv4Addr) -> Result<Arc<NetPool>> {
         std::fs::create_dir_all(lock_dir())
             .io_context(|| format!("creating {}", lock_dir().display()))?;
         let host_lock_path = lock_dir().join("host.lock");
@@ -172,10 +178,11 @@ impl NetPool {
             reap_host_veths();
         }
         flock_wait(&host_lock, libc::LOCK_SH)?;
-        install_host_table()?;
+        install_host_table(dns)?;
         let pool = Arc::new(NetPool {
             ready: Mutex::new(Vec::new()),
             target,
+            dns,
             refill: tokio::sync::Notify::new(),
             host_lock: Mutex::new(Some(host_lock)),
         });
@@ -191,9 +198,12 @@ impl NetPool {
         self.refill.notify_one();
         match ready {
             Some(slot) => Ok(slot),
-            None => tokio::task::spawn_blocking(prepare_slot)
-                .await
-                .expect("slot preparation does not panic"),
+            None => {
+                let dns = self.dns;
+                tokio::task::spawn_blocking(move || prepare_slot(dns))
+                    .await
+                    .expect("slot preparation does not panic")
+            }
         }
     }
 
@@ -212,6 +222,7 @@ impl NetPool {
         self.ready.lock().unwrap().clear();
         if try_flock(&lock, libc::LOCK_EX) {
             let _ = run_nft(None, &format!("delete table ip {HOST_TABLE}\n"));
+            restore_forwarding();
         }
     }
 }
@@ -225,7 +236,8 @@ async fn refill_loop(pool: Arc<NetPool>) {
             pool.refill.notified().await;
             continue;
         }
-        match tokio::task::spawn_blocking(prepare_slot).await {
+        let dns = pool.dns;
+        match tokio::task::spawn_blocking(move || prepare_slot(dns)).await {
             Ok(Ok(slot)) => {
                 if pool.host_lock.lock().unwrap().is_none() {
                     return;
@@ -241,8 +253,9 @@ async fn refill_loop(pool: Arc<NetPool>) {
     }
 }
 
-/// Claims a free slot number and builds its namespace.
-pub fn prepare_slot() -> Result<NetSlot> {
+/// Claims a free slot number and builds its namespace, whose guest's DNS
+/// goes to `dns`.
+pub fn prepare_slot(dns: Ipv4Addr) -> Result<NetSlot> {
     let (index, lock) = claim_index()?;
     let veth = host_veth(index);
     // A leftover of a dead engine (its lock was free): gone first.
@@ -268,7 +281,7 @@ pub fn prepare_slot() -> Result<NetSlot> {
         None,
         &format!("addr add {host_ip}/30 dev {veth}\nlink set {veth} up\n"),
     )?;
-    run_nft(Some(ns.as_raw_fd()), &namespace_table())?;
+    run_nft(Some(ns.as_raw_fd()), &namespace_table(dns))?;
     Ok(NetSlot {
         index,
         ns,
@@ -277,9 +290,12 @@ pub fn prepare_slot() -> Result<NetSlot> {
     })
 }
 
-fn namespace_table() -> String {
+fn namespace_table(dns: Ipv4Addr) -> String {
     format!(
         "table ip shoal {{\n\
+         \tchain prerouting {{ type nat hook prerouting priority dstnat;\n\
+         \t\tiifname \"{TAP}\" ip daddr {GATEWAY_IP} meta l4proto {{ tcp, udp }} th dport 53 dnat to {dns}\n\
+         \t}}\n\
          \tchain postrouting {{ type nat hook postrouting priority srcnat; oifname \"{NS_VETH}\" masquerade; }}\n\
          \tchain input {{ type filter hook input priority filter; policy drop;\n\
          \t\tct state established,related accept\n\
@@ -287,6 +303,7 @@ fn namespace_table() -> String {
          \t}}\n\
          \tchain forward {{ type filter hook forward priority filter; policy drop;\n\
          \t\tct state established,related accept\n\
+         \t\tiifname \"{TAP}\" oifname \"{NS_VETH}\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept\n\
          \t\tiifname \"{TAP}\" oifname \"{NS_VETH}\" ip daddr != {{ {DENIED} }} accept\n\
          \t}}\n\
          }}\n"
@@ -294,8 +311,9 @@ fn namespace_table() -> String {
 }
 
 /// The host's table: nothing from a sandbox reaches the host itself or
-/// another sandbox or a private address; sandboxes are masqueraded out.
-fn host_table(drop_other_forwarding: bool) -> String {
+/// another sandbox or a private address (but the DNS upstream `dns` on port
+/// 53); sandboxes are masqueraded out.
+fn host_table(drop_other_forwarding: bool, dns: Ipv4Addr) -> String {
     let p = HOST_VETH_PREFIX;
     let others = if drop_other_forwarding {
         // This engine turned forwarding on: forward nothing else.
@@ -308,11 +326,13 @@ fn host_table(drop_other_forwarding: bool) -> String {
          delete table ip {HOST_TABLE}\n\
          table ip {HOST_TABLE} {{\n\
          \tchain input {{ type filter hook input priority filter - 1;\n\
+         \t\tiifname \"{p}*\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept\n\
          \t\tiifname \"{p}*\" drop\n\
          \t}}\n\
          \tchain forward {{ type filter hook forward priority filter - 1;\n\
          {others}\
          \t\tiifname \"{p}*\" oifname \"{p}*\" drop\n\
+         \t\tiifname \"{p}*\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept\n\
          \t\tiifname \"{p}*\" ip daddr {{ {DENIED} }} drop\n\
          \t\toifname \"{p}*\" ct state established,related accept\n\
          \t\toifname \"{p}*\" drop\n\
@@ -324,15 +344,58 @@ fn host_table(drop_other_forwarding: bool) -> String {
     )
 }
 
-fn install_host_table() -> Result<()> {
-    let forward = Path::new("/proc/sys/net/ipv4/ip_forward");
-    let marker = lock_dir().join("forwarding-enabled-by-shoal");
+fn forwarding_marker() -> PathBuf {
+    lock_dir().join("forwarding-enabled-by-shoal")
+}
+
+const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
+
+fn install_host_table(dns: Ipv4Addr) -> Result<()> {
+    let forward = Path::new(IP_FORWARD);
+    let marker = forwarding_marker();
     let on = std::fs::read_to_string(forward).unwrap_or_default().trim() == "1";
     if !on {
         std::fs::write(forward, "1").io_context(|| "turning IPv4 forwarding on".into())?;
         std::fs::write(&marker, "").io_context(|| format!("writing {}", marker.display()))?;
     }
-    run_nft(None, &host_table(marker.exists()))
+    run_nft(None, &host_table(marker.exists(), dns))
+}
+
+/// The last engine on the host leaves IPv4 forwarding as it found it.
+fn restore_forwarding() {
+    let marker = forwarding_marker();
+    if marker.exists() {
+        if let Err(e) = std::fs::write(IP_FORWARD, "0") {
+            tracing::warn!(error = %e, "turning IPv4 forwarding back off failed");
+            return;
+        }
+        let _ = std::fs::remove_file(marker);
+    }
+}
+
+/// Public resolvers, for a host whose own resolver a sandbox cannot use
+/// (a loopback stub such as systemd-resolved's 127.0.0.53).
+const FALLBACK_RESOLVER: Ipv4Addr = Ipv4Addr::new(1, 1, 1, 1);
+
+/// The upstream DNS server for guests: the host's first IPv4 nameserver
+/// that is not a loopback stub (`/etc/resolv.conf`, then systemd-resolved's
+/// upstream list), else [`FALLBACK_RESOLVER`].
+pub fn host_resolver() -> Ipv4Addr {
+    ["/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"]
+        .iter()
+        .filter_map(|path| std::fs::read_to_string(path).ok())
+        .find_map(|text| first_usable_nameserver(&text))
+        .unwrap_or(FALLBACK_RESOLVER)
+}
+
+fn first_usable_nameserver(resolv_conf: &str) -> Option<Ipv4Addr> {
+    resolv_conf.lines().find_map(|line| {
+        let mut words = line.split_whitespace();
+        (words.next() == Some("nameserver"))
+            .then(|| words.next()?.parse::<Ipv4Addr>().ok())
+            .flatten()
+            .filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+    })
 }
 
 /// Deletes every `shoalh<N>` in this namespace whose slot no engine holds.
@@ -550,7 +613,30 @@ mod tests {
 
     #[test]
     fn host_table_drops_other_forwarding_only_when_shoal_turned_it_on() {
-        assert!(host_table(true).contains("iifname != \"shoalh*\" oifname != \"shoalh*\" drop"));
-        assert!(!host_table(false).contains("iifname != "));
+        let dns = Ipv4Addr::new(10, 255, 255, 53);
+        assert!(host_table(true, dns)
+            .contains("iifname != \"shoalh*\" oifname != \"shoalh*\" drop"));
+        assert!(!host_table(false, dns).contains("iifname != "));
+    }
+
+    #[test]
+    fn the_dns_upstream_is_the_one_private_address_let_through_and_only_on_port_53() {
+        let dns = Ipv4Addr::new(10, 255, 255, 53);
+        let host = host_table(false, dns);
+        let accept = host.find("ip daddr 10.255.255.53 meta l4proto { tcp, udp } th dport 53 accept");
+        let deny = host.find("ip daddr { 10.0.0.0/8");
+        assert!(accept.is_some() && deny.is_some() && accept < deny, "{host}");
+        let ns = namespace_table(dns);
+        assert!(ns.contains("ip daddr 10.0.0.1 meta l4proto { tcp, udp } th dport 53 dnat to 10.255.255.53"), "{ns}");
+    }
+
+    #[test]
+    fn the_host_resolver_skips_loopback_stubs() {
+        assert_eq!(
+            first_usable_nameserver("# x\nsearch a\nnameserver 127.0.0.53\nnameserver 10.1.2.3\n"),
+            Some(Ipv4Addr::new(10, 1, 2, 3))
+        );
+        assert_eq!(first_usable_nameserver("nameserver ::1\nnameserver 127.0.0.1\n"), None);
+        assert_eq!(first_usable_nameserver("nameserver 192.0.2.1 \n"), Some(Ipv4Addr::new(192, 0, 2, 1)));
     }
 }

@@ -25,9 +25,17 @@ const OUTSIDE_HOST_VETH: &str = "snt-host";
 const OUTSIDE_IP: &str = "198.51.100.1";
 const OUTSIDE_HOST_IP: &str = "198.51.100.254";
 const OUTSIDE_PORT: u16 = 8080;
+/// The stand-in for the host's resolver: a private address (as a real
+/// host's usually is), in the outside namespace, answering every A query
+/// with [`RESOLVED_IP`].
+const RESOLVER_IP: &str = "10.254.53.1";
+const RESOLVER_HOST_IP: &str = "10.254.53.254";
+const RESOLVED_IP: [u8; 4] = [198, 51, 100, 77];
 
 fn engine() -> &'static Engine {
-    shoal_testkit::engine("vm_net", &[TEMPLATE, FULL_PYTHON])
+    shoal_testkit::engine_with("vm_net", &[TEMPLATE, FULL_PYTHON], |config| {
+        config.dns_upstream = Some(RESOLVER_IP.parse().unwrap());
+    })
 }
 
 fn ip(args: &[&str]) {
@@ -66,10 +74,18 @@ fn outside() {
             "dev",
             OUTSIDE_HOST_VETH,
         ]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("{RESOLVER_HOST_IP}/24"),
+            "dev",
+            OUTSIDE_HOST_VETH,
+        ]);
         ip(&["link", "set", OUTSIDE_HOST_VETH, "up"]);
         for args in [
             vec!["link", "set", "lo", "up"],
             vec!["addr", "add", "198.51.100.1/24", "dev", "eth0"],
+            vec!["addr", "add", "10.254.53.1/24", "dev", "eth0"],
             vec!["link", "set", "eth0", "up"],
             vec!["route", "add", "default", "via", OUTSIDE_HOST_IP],
         ] {
@@ -78,16 +94,28 @@ fn outside() {
             ip(&all);
         }
         let ns = std::fs::File::open(format!("/run/netns/{OUTSIDE_NS}")).unwrap();
-        let listener = std::thread::spawn(move || {
+        let (listener, resolver) = std::thread::spawn(move || {
             // SAFETY: setns on this fresh thread only.
             assert_eq!(
                 unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
                 0
             );
-            std::net::TcpListener::bind((OUTSIDE_IP, OUTSIDE_PORT)).unwrap()
+            (
+                // Every address: the private one must still be out of reach.
+                std::net::TcpListener::bind(("0.0.0.0", OUTSIDE_PORT)).unwrap(),
+                std::net::UdpSocket::bind((RESOLVER_IP, 53)).unwrap(),
+            )
         })
         .join()
         .unwrap();
+        std::thread::spawn(move || {
+            let mut query = [0u8; 512];
+            while let Ok((n, peer)) = resolver.recv_from(&mut query) {
+                if let Some(answer) = dns_answer(&query[..n], RESOLVED_IP) {
+                    let _ = resolver.send_to(&answer, peer);
+                }
+            }
+        });
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let mut stream = stream;
@@ -99,6 +127,29 @@ fn outside() {
             }
         });
     });
+}
+
+/// The reply to a one-question DNS query: `ip` for an A question, no
+/// records (but no error) for anything else (glibc asks AAAA too).
+fn dns_answer(query: &[u8], ip: [u8; 4]) -> Option<Vec<u8>> {
+    if query.len() < 12 || query[4..6] != [0, 1] {
+        return None;
+    }
+    let mut end = 12;
+    while *query.get(end)? != 0 {
+        end += 1 + usize::from(query[end]);
+    }
+    let question = query.get(12..end + 5)?;
+    let is_a = question[question.len() - 4..] == [0, 1, 0, 1];
+    let mut reply = query[..2].to_vec();
+    reply.extend_from_slice(&[0x81, 0x80, 0, 1, 0, u8::from(is_a), 0, 0, 0, 0]);
+    reply.extend_from_slice(question);
+    if is_a {
+        // The name by pointer to the question, A, IN, TTL 60, 4 bytes.
+        reply.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
+        reply.extend_from_slice(&ip);
+    }
+    Some(reply)
 }
 
 async fn sh(agent: &AgentClient, cmd: &str) -> (i32, String) {
@@ -216,6 +267,33 @@ fn egress_reaches_the_outside_only_when_allowed() {
         assert_ne!(netns_of(child.pid().await), netns_of(closed.pid().await));
         let (code, _) = guest_connect(&child.agent().await, OUTSIDE_IP, OUTSIDE_PORT).await;
         assert_ne!(code, 0);
+    });
+}
+
+#[test]
+fn guests_resolve_names_through_the_host_s_resolver_only_with_egress() {
+    outside();
+    block_on(async {
+        let expected = RESOLVED_IP.map(|o| o.to_string()).join(".");
+        let open = Sandbox::create(true).await;
+        let agent = open.agent().await;
+        let (code, conf) = sh(&agent, "cat /etc/resolv.conf").await;
+        assert_eq!(code, 0, "{conf}");
+        assert!(conf.contains("nameserver 10.0.0.1"), "{conf}");
+        let (code, out) = sh(&agent, "getent ahostsv4 files-know-nothing.example").await;
+        assert_eq!(code, 0, "{out}");
+        assert!(out.starts_with(&expected), "{out}");
+        // Port 53 of the resolver, nothing else of its private address.
+        let (code, out) = guest_connect(&agent, RESOLVER_IP, OUTSIDE_PORT).await;
+        assert_ne!(code, 0, "reached {RESOLVER_IP}:{OUTSIDE_PORT}: {out}");
+
+        let closed = Sandbox::create(false).await;
+        let (code, out) = sh(
+            &closed.agent().await,
+            "getent ahostsv4 files-know-nothing.example",
+        )
+        .await;
+        assert_ne!(code, 0, "resolved without egress: {out}");
     });
 }
 

@@ -1,7 +1,8 @@
 //! What the agent does first when it is the guest's PID 1 (`--init`): the
-//! mounts a userland expects, a sane environment, the loopback interface
-//! and eth0 (the fixed address every sandbox has, see
-//! `shoal_proto::GUEST_ADDRESS`; the template is baked with it set).
+//! mounts a userland expects, a sane environment, the loopback interface,
+//! eth0 (the fixed address every sandbox has, see
+//! `shoal_proto::GUEST_ADDRESS`; the template is baked with it set) and
+//! `/etc/resolv.conf` (the gateway).
 //! Every step logs and carries on when it fails: PID 1 must never exit.
 //!
 //! Does not own: /dev, /proc and /sys (the initramfs mounted them and moved
@@ -44,6 +45,16 @@ pub fn setup() {
     if let Err(err) = eth0_up() {
         crate::log(&format!("configuring eth0 failed: {err}"));
     }
+    if let Err(err) = std::fs::write("/etc/resolv.conf", resolv_conf()) {
+        crate::log(&format!("writing /etc/resolv.conf failed: {err}"));
+    }
+}
+
+/// The guest asks its gateway, which the host forwards to its resolver
+/// (only when the sandbox may reach the internet).
+fn resolv_conf() -> String {
+    let [a, b, c, d] = shoal_proto::GUEST_GATEWAY;
+    format!("nameserver {a}.{b}.{c}.{d}\noptions timeout:2 attempts:2\n")
 }
 
 fn is_mount_point(target: &str) -> bool {

@@ -71,6 +71,16 @@ pub fn state_dir(binary: &str) -> PathBuf {
 
 /// The engine of this test binary, with `templates` built (once) first.
 pub fn engine(binary: &str, templates: &[&str]) -> &'static Engine {
+    engine_with(binary, templates, |_| {})
+}
+
+/// [`engine`], with `configure` applied to its configuration first (the
+/// first call's `configure` wins: there is one engine per test binary).
+pub fn engine_with(
+    binary: &str,
+    templates: &[&str],
+    configure: impl FnOnce(&mut EngineConfig) + Send + 'static,
+) -> &'static Engine {
     static ENGINE: OnceLock<Engine> = OnceLock::new();
     let binary = binary.to_string();
     let templates: Vec<String> = templates.iter().map(|t| t.to_string()).collect();
@@ -81,6 +91,7 @@ pub fn engine(binary: &str, templates: &[&str]) -> &'static Engine {
             block_on(async {
                 let mut config = EngineConfig::new(state_dir(&binary));
                 config.cache_dir = cache_dir();
+                configure(&mut config);
                 let engine = Engine::open(config).await.expect("opening the engine");
                 let progress = indicatif::MultiProgress::with_draw_target(
                     indicatif::ProgressDrawTarget::stderr(),
