@@ -311,8 +311,10 @@ fn namespace_table(dns: Ipv4Addr) -> String {
 }
 
 /// The host's table: nothing from a sandbox reaches the host itself or
-/// another sandbox or a private address (but the DNS upstream `dns` on port
-/// 53); sandboxes are masqueraded out.
+/// another sandbox or a private address (but its DNS upstream on port 53);
+/// sandboxes are masqueraded out. Every engine on the host runs this script
+/// when it opens: the chains are rebuilt, and the set of DNS upstreams only
+/// grows, so engines with different upstreams do not undo each other.
 fn host_table(drop_other_forwarding: bool, dns: Ipv4Addr) -> String {
     let p = HOST_VETH_PREFIX;
     let others = if drop_other_forwarding {
@@ -321,28 +323,40 @@ fn host_table(drop_other_forwarding: bool, dns: Ipv4Addr) -> String {
     } else {
         String::new()
     };
+    let to_dns = format!("ip daddr @{DNS_SET} meta l4proto {{ tcp, udp }} th dport 53 accept");
     format!(
-        "table ip {HOST_TABLE}\n\
-         delete table ip {HOST_TABLE}\n\
+        "table ip {HOST_TABLE} {{\n\
+         \tset {DNS_SET} {{ type ipv4_addr; }}\n\
+         \tchain input {{ type filter hook input priority filter - 1; }}\n\
+         \tchain forward {{ type filter hook forward priority filter - 1; }}\n\
+         \tchain postrouting {{ type nat hook postrouting priority srcnat; }}\n\
+         }}\n\
+         flush chain ip {HOST_TABLE} input\n\
+         flush chain ip {HOST_TABLE} forward\n\
+         flush chain ip {HOST_TABLE} postrouting\n\
+         add element ip {HOST_TABLE} {DNS_SET} {{ {dns} }}\n\
          table ip {HOST_TABLE} {{\n\
-         \tchain input {{ type filter hook input priority filter - 1;\n\
-         \t\tiifname \"{p}*\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept\n\
+         \tchain input {{\n\
+         \t\tiifname \"{p}*\" {to_dns}\n\
          \t\tiifname \"{p}*\" drop\n\
          \t}}\n\
-         \tchain forward {{ type filter hook forward priority filter - 1;\n\
+         \tchain forward {{\n\
          {others}\
          \t\tiifname \"{p}*\" oifname \"{p}*\" drop\n\
-         \t\tiifname \"{p}*\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept\n\
+         \t\tiifname \"{p}*\" {to_dns}\n\
          \t\tiifname \"{p}*\" ip daddr {{ {DENIED} }} drop\n\
          \t\toifname \"{p}*\" ct state established,related accept\n\
          \t\toifname \"{p}*\" drop\n\
          \t}}\n\
-         \tchain postrouting {{ type nat hook postrouting priority srcnat;\n\
+         \tchain postrouting {{\n\
          \t\tip saddr {SLOT_NET}/16 oifname != \"{p}*\" masquerade\n\
          \t}}\n\
          }}\n"
     )
 }
+
+/// The host table's set of guests' DNS upstreams.
+const DNS_SET: &str = "dns_upstreams";
 
 fn forwarding_marker() -> PathBuf {
     lock_dir().join("forwarding-enabled-by-shoal")
@@ -623,8 +637,10 @@ mod tests {
     fn the_dns_upstream_is_the_one_private_address_let_through_and_only_on_port_53() {
         let dns = Ipv4Addr::new(10, 255, 255, 53);
         let host = host_table(false, dns);
-        let accept = host.find("ip daddr 10.255.255.53 meta l4proto { tcp, udp } th dport 53 accept");
-        let deny = host.find("ip daddr { 10.0.0.0/8");
+        assert!(host.contains("add element ip shoal dns_upstreams { 10.255.255.53 }"), "{host}");
+        let forward = &host[host.rfind("chain forward").unwrap()..];
+        let accept = forward.find("ip daddr @dns_upstreams meta l4proto { tcp, udp } th dport 53 accept");
+        let deny = forward.find("ip daddr { 10.0.0.0/8");
         assert!(accept.is_some() && deny.is_some() && accept < deny, "{host}");
         let ns = namespace_table(dns);
         assert!(ns.contains("ip daddr 10.0.0.1 meta l4proto { tcp, udp } th dport 53 dnat to 10.255.255.53"), "{ns}");
