@@ -174,6 +174,11 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route(&format!("{sandbox}/logs"), get(meta::logs))
         .route(&format!("{sandbox}/ports"), get(meta::ports))
         .route(&format!("{sandbox}/proxy/{{port}}"), any(proxy::proxy_root))
+        // A wildcard matches no empty path: `/proxy/8000/` needs its own route.
+        .route(
+            &format!("{sandbox}/proxy/{{port}}/"),
+            any(proxy::proxy_root),
+        )
         .route(
             &format!("{sandbox}/proxy/{{port}}/{{*path}}"),
             any(proxy::proxy_path),
@@ -191,6 +196,7 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route("/v1/apps", post(apps::create).get(apps::list))
         .route(app, get(apps::get).patch(apps::patch).delete(apps::delete))
         .route(&format!("{app}/proxy"), any(apps::proxy_root))
+        .route(&format!("{app}/proxy/"), any(apps::proxy_root))
         .route(&format!("{app}/proxy/{{*path}}"), any(apps::proxy_path))
         .route("/v1/sweeps", post(sweeps::create).get(sweeps::list))
         .route(sweep, get(sweeps::get).patch(sweeps::patch))
