@@ -1,5 +1,6 @@
 //! Request extractors that fail the API's way (`{"error"}`, never axum's
-//! plain-text rejections): the caller's account, and JSON bodies.
+//! plain-text rejections): the caller's account, JSON bodies, and the
+//! fields of a JSON object body (each refusal a 400 naming the field).
 
 use crate::error::{ApiError, ApiResult};
 use crate::ControlPlane;
@@ -9,7 +10,9 @@ use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
 use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
 use shoal_store::Account;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// JSON request bodies larger than this are refused with 413.
@@ -86,4 +89,67 @@ pub async fn read_limited<S: Send + Sync>(
             None => too_large(),
             Some(_) => ApiError::bad_request(format!("reading the request body: {e}")),
         })
+}
+
+// ---- fields of a JSON object body ----
+
+/// A present, non-null field.
+pub(crate) fn field<'a>(body: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+    body.get(name).filter(|v| !v.is_null())
+}
+
+pub(crate) fn string(body: &Map<String, Value>, name: &str) -> ApiResult<Option<String>> {
+    match field(body, name) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(ApiError::bad_request(format!("{name} must be a string"))),
+    }
+}
+
+pub(crate) fn required_string(body: &Map<String, Value>, name: &str) -> ApiResult<String> {
+    match string(body, name)? {
+        Some(s) if !s.trim().is_empty() => Ok(s),
+        _ => Err(ApiError::bad_request(format!(
+            "{name} is required (a non-empty string)"
+        ))),
+    }
+}
+
+/// An integer field within `min..=max`.
+pub(crate) fn integer(
+    body: &Map<String, Value>,
+    name: &str,
+    min: u64,
+    max: u64,
+) -> ApiResult<Option<u64>> {
+    match field(body, name) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if (min..=max).contains(&n) => Ok(Some(n)),
+            _ => Err(ApiError::bad_request(format!(
+                "{name} must be an integer from {min} to {max}"
+            ))),
+        },
+    }
+}
+
+pub(crate) fn string_map(
+    body: &Map<String, Value>,
+    name: &str,
+) -> ApiResult<BTreeMap<String, String>> {
+    match field(body, name) {
+        None => Ok(BTreeMap::new()),
+        Some(Value::Object(map)) => map
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => Ok((k.clone(), s.clone())),
+                _ => Err(ApiError::bad_request(format!(
+                    "{name}.{k} must be a string"
+                ))),
+            })
+            .collect(),
+        Some(_) => Err(ApiError::bad_request(format!(
+            "{name} must be an object of strings"
+        ))),
+    }
 }

@@ -1,6 +1,6 @@
 //! The control plane: PandaStack's HTTP API over one host agent, with
-//! accounts, tokens, tier quotas, the idle reaper, metering, and the sweep
-//! runner.
+//! accounts, tokens, tier quotas, the idle reaper, metering, the sweep
+//! runner, and apps (long-running services, `apps.rs`).
 //!
 //! Owns: the routes (see `docs/api/CONTRACT.md` and `docs/api/SWEEPS.md`,
 //! served as `docs/api/openapi.json`), authentication and tenancy (a token
@@ -11,6 +11,7 @@
 //! Does not touch: QEMU or the guest directly (only through
 //! [`shoal_host::HostAgent`]), or SQL (only through [`shoal_store::Store`]).
 
+mod apps;
 mod error;
 mod exec;
 mod extract;
@@ -24,6 +25,7 @@ mod sandboxes;
 mod sweeps;
 mod usage;
 
+pub use apps::AppsConfig;
 pub use error::{ApiError, ApiResult};
 pub use lifecycle::LifecycleConfig;
 pub use runner::RunnerConfig;
@@ -47,6 +49,7 @@ pub struct ControlConfig {
     pub limits: HashMap<Tier, TierLimits>,
     pub lifecycle: LifecycleConfig,
     pub sweeps: RunnerConfig,
+    pub apps: AppsConfig,
 }
 
 impl Default for ControlConfig {
@@ -59,6 +62,7 @@ impl Default for ControlConfig {
                 .collect(),
             lifecycle: LifecycleConfig::default(),
             sweeps: RunnerConfig::default(),
+            apps: AppsConfig::default(),
         }
     }
 }
@@ -73,6 +77,7 @@ pub struct ControlPlane {
     tokens: Mutex<HashMap<String, (Account, Instant)>>,
     meter: lifecycle::Meter,
     runner: runner::Runner,
+    apps: apps::Apps,
 }
 
 impl ControlPlane {
@@ -84,6 +89,7 @@ impl ControlPlane {
             tokens: Mutex::default(),
             meter: lifecycle::Meter::default(),
             runner: runner::Runner::default(),
+            apps: apps::Apps::default(),
         })
     }
 
@@ -115,10 +121,12 @@ impl ControlPlane {
     }
 
     /// Brings the database in line with the host after a restart, then
-    /// starts the reaper, the meter and the sweep runner.
+    /// starts the reaper, the meter, the apps' reconciler and the sweep
+    /// runner.
     pub async fn start_background(self: &Arc<Self>) -> ApiResult<()> {
         lifecycle::reconcile(self).await?;
         lifecycle::spawn(self.clone());
+        apps::spawn(self.clone());
         if self.config.sweeps.enabled {
             runner::spawn(self.clone()).await?;
         }
@@ -129,6 +137,7 @@ impl ControlPlane {
 pub fn router(state: Arc<ControlPlane>) -> Router {
     let sandbox = "/v1/sandboxes/{id}";
     let sweep = "/v1/sweeps/{id}";
+    let app = "/v1/apps/{id}";
     Router::new()
         .route("/healthz", get(meta::healthz))
         .route("/v1/openapi.json", get(meta::openapi))
@@ -165,6 +174,11 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route(&format!("{sandbox}/logs"), get(meta::logs))
         .route(&format!("{sandbox}/ports"), get(meta::ports))
         .route(&format!("{sandbox}/proxy/{{port}}"), any(proxy::proxy_root))
+        // A wildcard matches no empty path: `/proxy/8000/` needs its own route.
+        .route(
+            &format!("{sandbox}/proxy/{{port}}/"),
+            any(proxy::proxy_root),
+        )
         .route(
             &format!("{sandbox}/proxy/{{port}}/{{*path}}"),
             any(proxy::proxy_path),
@@ -179,6 +193,11 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
             &format!("{sandbox}/repl/sessions/{{session_id}}/run"),
             post(repl::run),
         )
+        .route("/v1/apps", post(apps::create).get(apps::list))
+        .route(app, get(apps::get).patch(apps::patch).delete(apps::delete))
+        .route(&format!("{app}/proxy"), any(apps::proxy_root))
+        .route(&format!("{app}/proxy/"), any(apps::proxy_root))
+        .route(&format!("{app}/proxy/{{*path}}"), any(apps::proxy_path))
         .route("/v1/sweeps", post(sweeps::create).get(sweeps::list))
         .route(sweep, get(sweeps::get).patch(sweeps::patch))
         .route(&format!("{sweep}/cancel"), post(sweeps::cancel))

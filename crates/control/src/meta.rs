@@ -123,7 +123,7 @@ pub async fn ports(
     Ok(Json(json!({ "ports": ports })))
 }
 
-fn listening_ports(proc_net_tcp: &str) -> Vec<u16> {
+pub(crate) fn listening_ports(proc_net_tcp: &str) -> Vec<u16> {
     const LISTEN: &str = "0A";
     let mut ports: Vec<u16> = proc_net_tcp
         .lines()

@@ -65,7 +65,20 @@ async fn forward(
         .filter(|p| *p > 0)
         .ok_or_else(|| ApiError::bad_request(format!("invalid port: {port}")))?;
     cp.running(&account, &id).await?;
-    let stream = cp.host.engine().connect(&id, port).await.map_err(|_| {
+    to_guest(&cp, &id, port, &path, request).await
+}
+
+/// Sends `request` to `port` of running sandbox `id` as `/{path}` (with
+/// the request's query string), and its answer back. Also the apps' proxy
+/// (`apps.rs`), once it has a running sandbox.
+pub(crate) async fn to_guest(
+    cp: &ControlPlane,
+    id: &str,
+    port: u16,
+    path: &str,
+    request: Request,
+) -> ApiResult<Response> {
+    let stream = cp.host.engine().connect(id, port).await.map_err(|_| {
         ApiError::new(
             StatusCode::BAD_GATEWAY,
             format!("nothing answers on port {port} in sandbox {id}"),

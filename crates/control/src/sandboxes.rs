@@ -148,7 +148,7 @@ fn failed_after_admission(e: shoal_host::HostError) -> ApiError {
 /// Runs `work` to its end even if the client goes away (axum drops a
 /// handler's future then): a create, fork or delete cut off half-way would
 /// leave a VM without a row or a row without a VM.
-async fn detached<T: Send + 'static>(
+pub(crate) async fn detached<T: Send + 'static>(
     work: impl std::future::Future<Output = ApiResult<T>> + Send + 'static,
 ) -> ApiResult<T> {
     tokio::spawn(work)

@@ -5,7 +5,9 @@
 //! write what the caller asked for and wake it.
 
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{read_limited, Body, Caller};
+use crate::extract::{
+    field, integer, read_limited, required_string, string, string_map, Body, Caller,
+};
 use crate::{now, rfc3339, ControlPlane};
 use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::StatusCode;
@@ -15,7 +17,6 @@ use serde_json::{json, Map, Value};
 use shoal_store::{
     Account, CellFilter, CellRow, CellState, Metadata, NewSweep, SweepRow, SweepState, SweepSummary,
 };
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 type St = State<Arc<ControlPlane>>;
@@ -43,39 +44,6 @@ fn new_id() -> String {
 
 fn bad(message: impl Into<String>) -> ApiError {
     ApiError::bad_request(message)
-}
-
-/// A present, non-null field.
-fn field<'a>(body: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
-    body.get(name).filter(|v| !v.is_null())
-}
-
-fn string(body: &Map<String, Value>, name: &str) -> ApiResult<Option<String>> {
-    match field(body, name) {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(bad(format!("{name} must be a string"))),
-    }
-}
-
-fn required_string(body: &Map<String, Value>, name: &str) -> ApiResult<String> {
-    match string(body, name)? {
-        Some(s) if !s.trim().is_empty() => Ok(s),
-        _ => Err(bad(format!("{name} is required (a non-empty string)"))),
-    }
-}
-
-/// An integer field within `min..=max`.
-fn integer(body: &Map<String, Value>, name: &str, min: u64, max: u64) -> ApiResult<Option<u64>> {
-    match field(body, name) {
-        None => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(n) if (min..=max).contains(&n) => Ok(Some(n)),
-            _ => Err(bad(format!(
-                "{name} must be an integer from {min} to {max}"
-            ))),
-        },
-    }
 }
 
 fn absolute(name: &str, path: &str) -> ApiResult<()> {
@@ -141,20 +109,6 @@ fn cells(body: &Map<String, Value>) -> ApiResult<Vec<String>> {
         return Err(bad("cells: at least one cell"));
     }
     Ok(values)
-}
-
-fn string_map(body: &Map<String, Value>, name: &str) -> ApiResult<BTreeMap<String, String>> {
-    match field(body, name) {
-        None => Ok(BTreeMap::new()),
-        Some(Value::Object(map)) => map
-            .iter()
-            .map(|(k, v)| match v {
-                Value::String(s) => Ok((k.clone(), s.clone())),
-                _ => Err(bad(format!("{name}.{k} must be a string"))),
-            })
-            .collect(),
-        Some(_) => Err(bad(format!("{name} must be an object of strings"))),
-    }
 }
 
 /// Reads a create body into a sweep, checking every field.

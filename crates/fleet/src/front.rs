@@ -4,13 +4,14 @@
 //! sandbox rows, tokens), so several fronts may run behind a load balancer.
 //! Per request it does one of four things:
 //!
-//! - `POST /v1/sandboxes`: authenticate, place on a live host (a fork is
-//!   not a create: it goes with the rest to its parent's host), record the
+//! - `POST /v1/sandboxes` and `POST /v1/apps`: authenticate, place on a
+//!   live host (a fork is not a create: it goes with the rest to its
+//!   parent's host; an app stays on the host it was placed on), record the
 //!   placement so a burst does not pile onto one host before its next
 //!   heartbeat, and forward the request there; 503 `no compute capacity
 //!   available` with `Retry-After: 5` when nothing fits, before anything
 //!   exists.
-//! - a request about a sandbox: forward it to the sandbox's host; when that
+//! - a request about a sandbox or an app: forward it to its host; when that
 //!   host is stale, reading or deleting the row still works (any live agent
 //!   answers from the database), anything else is 503 `sandbox host
 //!   unavailable` with `Retry-After: 15`.
@@ -300,6 +301,14 @@ impl Front {
                 request = request.header(name, value);
             }
         }
+        // The agent names URLs on the address the client used (an app's
+        // proxy URL), not on its own.
+        if let (Some(host), false) = (
+            headers.get(header::HOST),
+            headers.contains_key("x-forwarded-host"),
+        ) {
+            request = request.header("x-forwarded-host", host);
+        }
         let answer = request.body(body).send().await?;
         let mut response = Response::builder().status(answer.status());
         for (name, value) in answer.headers() {
@@ -361,6 +370,9 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/sandboxes", post(create).fallback(elsewhere))
         .route("/v1/sandboxes/{id}", any(about_sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(about_sandbox))
+        .route("/v1/apps", post(create).fallback(elsewhere))
+        .route("/v1/apps/{id}", any(about_app))
+        .route("/v1/apps/{id}/{*rest}", any(about_app))
         .fallback(elsewhere)
         .with_state(front)
 }
@@ -483,54 +495,92 @@ async fn about_sandbox(
         Err(response) => return response,
     };
     let id = params.get("id").cloned().unwrap_or_default();
-    let row = match front.store.get_sandbox(account.id, &id).await {
-        Ok(Some(row)) => row,
+    let home = match front.store.get_sandbox(account.id, &id).await {
+        Ok(Some(row)) => row.host,
         Ok(None) => return refuse(StatusCode::NOT_FOUND, "sandbox not found", None),
         Err(e) => return database_error(e),
     };
-    let hosts = match front.routing_view().await {
-        Ok(hosts) => hosts,
+    let whole_row = !params.contains_key("rest");
+    front
+        .forward_home(home.as_deref(), whole_row, parts, body)
+        .await
+}
+
+/// A request about an app goes to its host (the one whose control plane
+/// drives it), like one about a sandbox.
+async fn about_app(
+    State(front): St,
+    Path(params): Path<HashMap<String, String>>,
+    request: Request,
+) -> Response {
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts.headers).await {
+        Ok(account) => account,
         Err(response) => return response,
     };
-    let at = now();
-    let home = row
-        .host
-        .as_deref()
-        .and_then(|name| hosts.iter().find(|h| h.report.id == name))
-        .filter(|h| is_live(h, at));
-    match home {
-        Some(host) => {
-            let body = reqwest::Body::wrap_stream(body.into_data_stream());
-            match front
-                .forward(
-                    &host.report.url,
-                    parts.method,
-                    &parts.uri,
-                    &parts.headers,
-                    body,
-                )
-                .await
-            {
-                Ok(response) => response,
-                Err(e) => {
-                    tracing::warn!(host = host.report.id, error = %e, "sandbox host unreachable");
-                    host_unavailable()
+    let id = params.get("id").cloned().unwrap_or_default();
+    let home = match front.store.get_app(account.id, &id).await {
+        Ok(Some(app)) if app.state.status != shoal_store::app_status::DELETED => app.host,
+        Ok(_) => return refuse(StatusCode::NOT_FOUND, "app not found", None),
+        Err(e) => return database_error(e),
+    };
+    let whole_row = !params.contains_key("rest");
+    front
+        .forward_home(home.as_deref(), whole_row, parts, body)
+        .await
+}
+
+impl Front {
+    /// Forwards a request about one object to `home`, the host in its row.
+    /// When that host is stale, a GET or DELETE of the `whole_row` still
+    /// works (any live agent answers from the database); anything else is
+    /// 503 `sandbox host unavailable`.
+    async fn forward_home(
+        &self,
+        home: Option<&str>,
+        whole_row: bool,
+        parts: axum::http::request::Parts,
+        body: Body,
+    ) -> Response {
+        let hosts = match self.routing_view().await {
+            Ok(hosts) => hosts,
+            Err(response) => return response,
+        };
+        let at = now();
+        let home = home
+            .and_then(|name| hosts.iter().find(|h| h.report.id == name))
+            .filter(|h| is_live(h, at));
+        match home {
+            Some(host) => {
+                let body = reqwest::Body::wrap_stream(body.into_data_stream());
+                match self
+                    .forward(
+                        &host.report.url,
+                        parts.method,
+                        &parts.uri,
+                        &parts.headers,
+                        body,
+                    )
+                    .await
+                {
+                    Ok(response) => response,
+                    Err(e) => {
+                        tracing::warn!(host = host.report.id, error = %e, "sandbox host unreachable");
+                        host_unavailable()
+                    }
                 }
             }
+            // The row outlives its host: any agent reads or deletes it.
+            None if whole_row && matches!(parts.method, Method::GET | Method::DELETE) => {
+                let body = match axum::body::to_bytes(body, 1 << 20).await {
+                    Ok(body) => body,
+                    Err(_) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, "body too large", None),
+                };
+                self.forward_to_any(parts.method, &parts.uri, &parts.headers, body)
+                    .await
+            }
+            None => host_unavailable(),
         }
-        // The row outlives its host: any agent reads or deletes it.
-        None if !params.contains_key("rest")
-            && matches!(parts.method, Method::GET | Method::DELETE) =>
-        {
-            let body = match axum::body::to_bytes(body, 1 << 20).await {
-                Ok(body) => body,
-                Err(_) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, "body too large", None),
-            };
-            front
-                .forward_to_any(parts.method, &parts.uri, &parts.headers, body)
-                .await
-        }
-        None => host_unavailable(),
     }
 }
 

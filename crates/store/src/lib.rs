@@ -4,8 +4,9 @@
 //!
 //! It owns accounts and hashed API tokens, sandbox rows and their life-cycle
 //! fields, the atomic quota check at admission, the reaper's query, usage
-//! samples and their priced report, snapshot records, and sweeps (cells that
-//! runners claim under leases, fenced by claim ids: `sweeps.rs`). It knows
+//! samples and their priced report, snapshot records, sweeps (cells that
+//! runners claim under leases, fenced by claim ids: `sweeps.rs`), and apps
+//! (long-running services and their deploy/wake state: `apps.rs`). It knows
 //! nothing of HTTP (no status codes: [`StoreError::Quota`] is for the caller
 //! to map), and it starts, stops or inspects no VM: a row says what the
 //! control plane believes, the engine and host agents make it so.
@@ -25,6 +26,7 @@
 //! query each and never wait for a writer.
 
 mod accounts;
+mod apps;
 mod hosts;
 mod migrate;
 mod model;

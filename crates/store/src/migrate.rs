@@ -5,7 +5,10 @@
 //!
 //! Each migration exists twice, `migrations/sqlite/NNNN_*.sql` and
 //! `migrations/postgres/NNNN_*.sql`, with the same version and the same
-//! tables, columns and indexes; only the column types differ.
+//! tables, columns and indexes; only the column types differ. Versions need
+//! not be contiguous, and a version missing from a database is applied
+//! whatever the versions it already has (sqlx applies every unapplied one),
+//! so branches may take numbers independently.
 
 use std::borrow::Cow;
 use std::future::Future;
@@ -41,6 +44,11 @@ const SQLITE: &[Embedded] = &[
         "hosts",
         include_str!("../migrations/sqlite/0004_hosts.sql"),
     ),
+    (
+        6,
+        "apps",
+        include_str!("../migrations/sqlite/0006_apps.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -63,6 +71,11 @@ const POSTGRES: &[Embedded] = &[
         4,
         "hosts",
         include_str!("../migrations/postgres/0004_hosts.sql"),
+    ),
+    (
+        6,
+        "apps",
+        include_str!("../migrations/postgres/0006_apps.sql"),
     ),
 ];
 

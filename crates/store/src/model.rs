@@ -1,5 +1,6 @@
 //! The values the store reads and writes: accounts and tiers, sandbox rows and
-//! patches, usage samples and reports, snapshots. Plain data; no SQL here.
+//! patches, usage samples and reports, snapshots, sweeps, hosts, apps. Plain
+//! data; no SQL here.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -252,6 +253,82 @@ pub struct SnapshotRow {
     /// The host whose disk holds it.
     pub host: Option<String>,
     pub created_at: f64,
+}
+
+/// App statuses (see ARCHITECTURE.md, "Apps"). Only `deleted` frees the
+/// app's name; only `deleted` and `failed` are left alone by the reconciler.
+pub mod app_status {
+    /// Waiting for the reconciler to make its sandbox and start it.
+    pub const DEPLOYING: &str = "deploying";
+    pub const RUNNING: &str = "running";
+    /// Its sandbox is hibernated: no QEMU process, no memory held.
+    pub const HIBERNATED: &str = "hibernated";
+    pub const WAKING: &str = "waking";
+    /// A deploy or wake was refused for capacity or quota; retried at
+    /// `next_attempt_at`.
+    pub const WAITING_CAPACITY: &str = "waiting_capacity";
+    pub const FAILED: &str = "failed";
+    pub const DELETED: &str = "deleted";
+}
+
+/// What the caller decided about a new app.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewApp {
+    /// Made by the caller; unique across all accounts.
+    pub id: String,
+    /// Unique among the account's apps that are not deleted.
+    pub name: String,
+    pub config: AppConfig,
+    /// The host whose control plane drives it.
+    pub host: Option<String>,
+}
+
+/// How an app runs: what a redeploy would change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AppConfig {
+    pub template: String,
+    pub start_cmd: String,
+    pub port: u16,
+    pub env: Metadata,
+    pub idle_seconds: u64,
+}
+
+/// Where an app is in its life; written whole by
+/// [`Store::set_app_state`](crate::Store::set_app_state).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AppState {
+    pub status: String,
+    pub sandbox_id: Option<String>,
+    /// Refused attempts of the current deploy or wake.
+    pub attempts: u32,
+    pub next_attempt_at: Option<f64>,
+    pub last_error: Option<String>,
+}
+
+/// One app as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AppRow {
+    pub id: String,
+    pub account_id: i64,
+    pub name: String,
+    pub config: AppConfig,
+    pub state: AppState,
+    pub host: Option<String>,
+    pub created_at: f64,
+    /// When `state.status` last changed.
+    pub status_at: f64,
+    pub last_request_at: Option<f64>,
+    pub deleted_at: Option<f64>,
+}
+
+/// A change to an app's configuration: every `Some` field is written.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AppConfigPatch {
+    pub template: Option<String>,
+    pub start_cmd: Option<String>,
+    pub port: Option<u16>,
+    pub env: Option<Metadata>,
+    pub idle_seconds: Option<u64>,
 }
 
 /// What a sweep is as a whole. Stored as its lowercase name.

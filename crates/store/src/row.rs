@@ -6,7 +6,9 @@ use sqlx::postgres::PgRow;
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 
-use crate::{Account, Metadata, Result, SandboxRow, SnapshotRow, StoreError};
+use crate::{
+    Account, AppConfig, AppRow, AppState, Metadata, Result, SandboxRow, SnapshotRow, StoreError,
+};
 
 /// Typed column access shared by `SqliteRow` and `PgRow`.
 pub(crate) trait Column {
@@ -113,6 +115,43 @@ pub(crate) fn snapshot(row: &impl Column) -> Result<SnapshotRow> {
         size_bytes: row.opt_int("size_bytes")?,
         host: row.opt_text("host")?,
         created_at: row.real("created_at")?,
+    })
+}
+
+/// The columns [`app`] reads, as a literal for `concat!`.
+macro_rules! app_columns {
+    () => {
+        "id, account_id, name, template, start_cmd, port, env, idle_seconds, status, \
+         sandbox_id, host, attempts, next_attempt_at, last_error, created_at, status_at, \
+         last_request_at, deleted_at"
+    };
+}
+pub(crate) use app_columns;
+
+pub(crate) fn app(row: &impl Column) -> Result<AppRow> {
+    Ok(AppRow {
+        id: row.text("id")?,
+        account_id: row.int("account_id")?,
+        name: row.text("name")?,
+        config: AppConfig {
+            template: row.text("template")?,
+            start_cmd: row.text("start_cmd")?,
+            port: unsigned(row.int("port")?, "port")?,
+            env: metadata_from_json(&row.text("env")?)?,
+            idle_seconds: unsigned(row.int("idle_seconds")?, "idle_seconds")?,
+        },
+        state: AppState {
+            status: row.text("status")?,
+            sandbox_id: row.opt_text("sandbox_id")?,
+            attempts: unsigned(row.int("attempts")?, "attempts")?,
+            next_attempt_at: row.opt_real("next_attempt_at")?,
+            last_error: row.opt_text("last_error")?,
+        },
+        host: row.opt_text("host")?,
+        created_at: row.real("created_at")?,
+        status_at: row.real("status_at")?,
+        last_request_at: row.opt_real("last_request_at")?,
+        deleted_at: row.opt_real("deleted_at")?,
     })
 }
 
