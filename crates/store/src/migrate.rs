@@ -41,6 +41,11 @@ const SQLITE: &[Embedded] = &[
         "hosts",
         include_str!("../migrations/sqlite/0004_hosts.sql"),
     ),
+    (
+        5,
+        "volumes",
+        include_str!("../migrations/sqlite/0005_volumes.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -63,6 +68,11 @@ const POSTGRES: &[Embedded] = &[
         4,
         "hosts",
         include_str!("../migrations/postgres/0004_hosts.sql"),
+    ),
+    (
+        5,
+        "volumes",
+        include_str!("../migrations/postgres/0005_volumes.sql"),
     ),
 ];
 
