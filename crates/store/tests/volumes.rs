@@ -30,7 +30,7 @@ async fn account(store: &Store, name: &str, tier: Tier) -> Account {
     store.authenticate(&token).await.unwrap().unwrap()
 }
 
-fn limits() -> TierLimits {
+fn sandbox_limits() -> TierLimits {
     TierLimits {
         concurrent: 100,
         creates_per_hour: 1000,
@@ -76,7 +76,7 @@ async fn admit(
     volumes: &[VolumeRequest],
 ) -> Result<(), StoreError> {
     store
-        .admit_sandbox_with_volumes(account, &sandbox(id, "h1"), &limits(), volumes, T0)
+        .admit_sandbox_with_volumes(account, &sandbox(id, "h1"), &sandbox_limits(), volumes, T0)
         .await
         .map(|_| ())
 }
@@ -290,7 +290,7 @@ async fn a_volume_pins_its_sandboxes_to_its_host(db: Arc<Db>) {
         .unwrap();
     assert_eq!(row.host, "h1");
     let elsewhere = store
-        .admit_sandbox_with_volumes(&acct, &sandbox("sb-2", "h2"), &limits(), &wants("v", true), T0)
+        .admit_sandbox_with_volumes(&acct, &sandbox("sb-2", "h2"), &sandbox_limits(), &wants("v", true), T0)
         .await;
     match elsewhere {
         Err(StoreError::Conflict { message }) => {
@@ -300,7 +300,7 @@ async fn a_volume_pins_its_sandboxes_to_its_host(db: Arc<Db>) {
     }
     assert!(store.sandbox_by_id("sb-2").await.unwrap().is_none());
     store
-        .admit_sandbox_with_volumes(&acct, &sandbox("sb-1", "h1"), &limits(), &wants("v", true), T0)
+        .admit_sandbox_with_volumes(&acct, &sandbox("sb-1", "h1"), &sandbox_limits(), &wants("v", true), T0)
         .await
         .unwrap();
 }
