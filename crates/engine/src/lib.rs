@@ -30,6 +30,7 @@
 //! <state>/engine.lock
 //! <state>/captures/<id>/           fork points, snapshots, hibernated state
 //! <state>/vms/<id>/                one VM: sockets, logs, its disk layer, vm.json
+//! <state>/volumes/<account>/      volume images (made by the host agent; opened here)
 //! ```
 
 pub mod accel;

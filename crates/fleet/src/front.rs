@@ -709,3 +709,69 @@ async fn elsewhere(State(front): St, request: Request) -> Response {
         .forward_to_any(parts.method, &parts.uri, &parts.headers, body)
         .await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_create_names_its_volumes_in_its_body() {
+        let body = br#"{"template": "base", "volumes": [{"name": "data"}, {"name": "cache", "read_only": true}]}"#;
+        assert_eq!(volume_names(body), ["data", "cache"]);
+        assert!(volume_names(br#"{"template": "base"}"#).is_empty());
+        assert!(volume_names(b"not json").is_empty());
+        assert!(volume_names(br#"{"volumes": "data"}"#).is_empty());
+    }
+
+    fn host(id: &str, heartbeat_at: f64) -> HostRow {
+        HostRow {
+            report: HostReport {
+                id: id.into(),
+                url: format!("http://{id}"),
+                vcpus: 2,
+                cpu_busy: 0.0,
+                memory_mib: 8192,
+                available_mib: 8192,
+                reserve_mib: 0,
+                sandboxes: 0,
+                max_sandboxes: None,
+                pss_mib: 0,
+                draining: false,
+            },
+            registered_at: heartbeat_at,
+            heartbeat_at,
+            in_flight_sandboxes: 0,
+            in_flight_memory_mib: 0,
+            in_flight_cpu_share: 0.0,
+        }
+    }
+
+    /// A create with a volume goes to the volume's host even when another
+    /// is emptier, and nowhere when that host is stale.
+    #[test]
+    fn a_volume_pins_the_create_to_its_host() {
+        let at = 1000.0;
+        let mut busy = host("with-volume", at);
+        busy.report.cpu_busy = 0.9;
+        let hosts = [busy, host("idle", at)];
+        let capacities: Vec<HostCapacity> = hosts.iter().map(|h| capacity(h, at)).collect();
+        let request = |pinned: Option<&str>| PlacementRequest {
+            memory_mib: SANDBOX_RESIDENT_MIB,
+            cpu_share: SANDBOX_CPU_SHARE,
+            pinned_to: pinned.map(str::to_string),
+        };
+        assert_eq!(shoal_placement::place(&request(None), &capacities).unwrap().id, "idle");
+        assert_eq!(
+            shoal_placement::place(&request(Some("with-volume")), &capacities)
+                .unwrap()
+                .id,
+            "with-volume"
+        );
+        let stale = [host("with-volume", at - 60.0), host("idle", at)];
+        let capacities: Vec<HostCapacity> = stale.iter().map(|h| capacity(h, at)).collect();
+        assert_eq!(
+            shoal_placement::place(&request(Some("with-volume")), &capacities),
+            Err(PlacementError::PinnedHostUnavailable)
+        );
+    }
+}
