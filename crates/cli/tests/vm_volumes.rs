@@ -139,10 +139,13 @@ fn disk_of(mount: &str) -> String {
     )
 }
 
+/// The volume images under `state`, as absolute paths.
 fn images(state: &Path) -> Vec<PathBuf> {
-    shoal_testkit::files_under(&state.join("volumes"))
+    let dir = state.join("volumes");
+    shoal_testkit::files_under(&dir)
         .into_iter()
         .filter(|p| p.extension().is_some_and(|e| e == "ext4"))
+        .map(|p| dir.join(p))
         .collect()
 }
 
