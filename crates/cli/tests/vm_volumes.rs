@@ -194,7 +194,10 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         let (status, body) = api
             .post("/v1/volumes", json!({"name": "data", "size_mb": 8}))
             .await;
-        assert_eq!((status, body["error"].as_str().unwrap()), (409, "volume data already exists"));
+        assert_eq!(
+            (status, body["error"].as_str().unwrap()),
+            (409, "volume data already exists")
+        );
         let image = images(&state);
         assert_eq!(image.len(), 1, "{image:?}");
         let image = image[0].clone();
@@ -207,12 +210,17 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         );
 
         // One writer: it sees the image's size, not the placeholder's.
-        let writer = api.sandbox(json!([{"name": "data", "read_only": false}])).await;
+        let writer = api
+            .sandbox(json!([{"name": "data", "read_only": false}]))
+            .await;
         let (code, out, err) = api.exec(&writer, &disk_of("/mnt/volumes/data")).await;
         assert_eq!(code, 0, "{err}");
         assert_eq!(out.trim(), format!("{} 0", (64u64 << 20) / 512));
         let (code, _, err) = api
-            .exec(&writer, "echo kept > /mnt/volumes/data/greeting && mkdir /mnt/volumes/data/dir")
+            .exec(
+                &writer,
+                "echo kept > /mnt/volumes/data/greeting && mkdir /mnt/volumes/data/dir",
+            )
             .await;
         assert_eq!(code, 0, "{err}");
         let (_, body) = api.get("/v1/volumes/data").await;
@@ -228,9 +236,12 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
                 )
                 .await;
             assert_eq!(status, 409, "{body}");
-            assert!(body["error"].as_str().unwrap().starts_with("volume in use"), "{body}");
+            assert!(
+                body["error"].as_str().unwrap().starts_with("volume in use"),
+                "{body}"
+            );
         }
-        assert_eq!(api.live_sandboxes().await, [writer.clone()]);
+        assert_eq!(api.live_sandboxes().await, std::slice::from_ref(&writer));
         assert_eq!(api.delete("/v1/volumes/data").await, 409);
         let (status, body) = api
             .post(&format!("/v1/sandboxes/{writer}/fork"), json!({}))
@@ -240,7 +251,7 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
             .post(&format!("/v1/sandboxes/{writer}/snapshots"), json!({}))
             .await;
         assert_eq!(status, 409, "{body}");
-        assert_eq!(api.live_sandboxes().await, [writer.clone()]);
+        assert_eq!(api.live_sandboxes().await, std::slice::from_ref(&writer));
 
         // Hibernate and wake keep the mount and what was written.
         let (status, body) = api
@@ -252,7 +263,10 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
             .await;
         assert_eq!(status, 200, "{body}");
         let (code, out, err) = api
-            .exec(&writer, "cat /mnt/volumes/data/greeting && echo more >> /mnt/volumes/data/greeting")
+            .exec(
+                &writer,
+                "cat /mnt/volumes/data/greeting && echo more >> /mnt/volumes/data/greeting",
+            )
             .await;
         assert_eq!((code, out.as_str()), (0, "kept\n"), "{err}");
 
@@ -260,8 +274,10 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         // writes, two at once, and cannot write.
         assert_eq!(api.delete(&format!("/v1/sandboxes/{writer}")).await, 204);
         let readers = [
-            api.sandbox(json!([{"name": "data", "read_only": true}])).await,
-            api.sandbox(json!([{"name": "data", "read_only": true}])).await,
+            api.sandbox(json!([{"name": "data", "read_only": true}]))
+                .await,
+            api.sandbox(json!([{"name": "data", "read_only": true}]))
+                .await,
         ];
         for reader in &readers {
             let (code, out, err) = api.exec(reader, "cat /mnt/volumes/data/greeting").await;
@@ -292,7 +308,10 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
                 json!({"template": "base", "volumes": [{"name": "nope", "read_only": true}]}),
             )
             .await;
-        assert_eq!((status, body["error"].as_str().unwrap()), (404, "volume not found: nope"));
+        assert_eq!(
+            (status, body["error"].as_str().unwrap()),
+            (404, "volume not found: nope")
+        );
         assert_eq!(api.live_sandboxes().await.len(), 2);
         assert_eq!(
             shoal_testkit::processes_mentioning(&state.display().to_string()).len(),
@@ -313,7 +332,13 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         let free = Api {
             http,
             base: up.base.clone(),
-            token: shoal_testkit::api_token_of_tier(shoal, &database_url, "free", "free", Some(&state)),
+            token: shoal_testkit::api_token_of_tier(
+                shoal,
+                &database_url,
+                "free",
+                "free",
+                Some(&state),
+            ),
         };
         let (_, me) = free.get("/v1/me").await;
         assert_eq!(me["limits"]["max_volumes"], 1);
@@ -323,7 +348,10 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
             .await;
         assert_eq!(
             (status, body["error"].as_str().unwrap()),
-            (429, "quota exceeded: the free tier allows volumes of at most 1024 MB")
+            (
+                429,
+                "quota exceeded: the free tier allows volumes of at most 1024 MB"
+            )
         );
         let (status, _) = free
             .post("/v1/volumes", json!({"name": "first", "size_mb": 16}))

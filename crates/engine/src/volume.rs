@@ -53,9 +53,10 @@ pub(crate) fn validate(volumes: &[VolumeAttachment]) -> Result<()> {
                 .bytes()
                 .next()
                 .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-            && volume.name.bytes().all(|b| {
-                b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_'
-            });
+            && volume
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
         if !name_ok {
             return Err(EngineError::InvalidInput(format!(
                 "volume name {:?} must be [a-z0-9][a-z0-9_-]{{0,62}}",

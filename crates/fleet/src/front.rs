@@ -642,7 +642,10 @@ async fn create_volume(
         Ok(url) => url,
         Err(response) => return response,
     };
-    match front.forward(&url, method, &uri, &headers, body.into()).await {
+    match front
+        .forward(&url, method, &uri, &headers, body.into())
+        .await
+    {
         Ok(response) => response,
         Err(e) => {
             tracing::warn!(host = url, error = %e, "agent unreachable for a volume create");
@@ -760,7 +763,12 @@ mod tests {
             cpu_share: SANDBOX_CPU_SHARE,
             pinned_to: pinned.map(str::to_string),
         };
-        assert_eq!(shoal_placement::place(&request(None), &capacities).unwrap().id, "idle");
+        assert_eq!(
+            shoal_placement::place(&request(None), &capacities)
+                .unwrap()
+                .id,
+            "idle"
+        );
         assert_eq!(
             shoal_placement::place(&request(Some("with-volume")), &capacities)
                 .unwrap()

@@ -47,7 +47,9 @@ pub enum HostError {
         reserve_mib: u64,
     },
     /// The host's disk cannot hold a new volume: nothing was made.
-    #[error("insufficient host storage for volume: {available_mb} MiB free, {wanted_mb} MiB wanted")]
+    #[error(
+        "insufficient host storage for volume: {available_mb} MiB free, {wanted_mb} MiB wanted"
+    )]
     StorageShort { available_mb: u64, wanted_mb: u64 },
     /// Making or removing a volume image failed.
     #[error("volume image: {0}")]

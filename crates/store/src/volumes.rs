@@ -20,7 +20,8 @@ use crate::{
 
 const VOLUME_COLUMNS: &str = "id, account_id, name, size_mb, host, created_at";
 
-const COUNTS: &str = "SELECT COUNT(*) AS volumes, CAST(COALESCE(SUM(size_mb), 0) AS BIGINT) AS total_mb \
+const COUNTS: &str =
+    "SELECT COUNT(*) AS volumes, CAST(COALESCE(SUM(size_mb), 0) AS BIGINT) AS total_mb \
      FROM volumes WHERE account_id = $1";
 const INSERT: &str = "INSERT INTO volumes (account_id, name, size_mb, host, created_at) \
      VALUES ($1, $2, $3, $4, $5)";

@@ -182,8 +182,24 @@ async fn names_are_unique_per_account(db: Arc<Db>) {
         .create_volume(&b, &volume("data", 20), &limits, T0)
         .await
         .unwrap();
-    assert_eq!(store.get_volume(a.id, "data").await.unwrap().unwrap().size_mb, 10);
-    assert_eq!(store.get_volume(b.id, "data").await.unwrap().unwrap().size_mb, 20);
+    assert_eq!(
+        store
+            .get_volume(a.id, "data")
+            .await
+            .unwrap()
+            .unwrap()
+            .size_mb,
+        10
+    );
+    assert_eq!(
+        store
+            .get_volume(b.id, "data")
+            .await
+            .unwrap()
+            .unwrap()
+            .size_mb,
+        20
+    );
     assert!(store.get_volume(a.id, "nope").await.unwrap().is_none());
     // Another account's volume cannot be attached: it is not found.
     store.delete_volume(&b, "data").await.unwrap().unwrap();
@@ -201,7 +217,9 @@ async fn one_writer_or_many_readers(db: Arc<Db>) {
         .create_volume(&acct, &volume("v", 10), &limits, T0)
         .await
         .unwrap();
-    admit(store, &acct, "sb-w", &wants("v", false)).await.unwrap();
+    admit(store, &acct, "sb-w", &wants("v", false))
+        .await
+        .unwrap();
     for (id, read_only) in [("sb-x", false), ("sb-y", true)] {
         match admit(store, &acct, id, &wants("v", read_only)).await {
             Err(StoreError::Conflict { message }) => {
@@ -215,8 +233,12 @@ async fn one_writer_or_many_readers(db: Arc<Db>) {
         );
     }
     end(store, "sb-w", "deleted").await;
-    admit(store, &acct, "sb-r1", &wants("v", true)).await.unwrap();
-    admit(store, &acct, "sb-r2", &wants("v", true)).await.unwrap();
+    admit(store, &acct, "sb-r1", &wants("v", true))
+        .await
+        .unwrap();
+    admit(store, &acct, "sb-r2", &wants("v", true))
+        .await
+        .unwrap();
     let row = store.get_volume(acct.id, "v").await.unwrap().unwrap();
     assert_eq!(row.attached_to, ["sb-r1", "sb-r2"]);
     assert!(!row.attached_read_write);
@@ -240,7 +262,7 @@ async fn ending_a_sandbox_releases_its_volumes(db: Arc<Db>) {
         let id = format!("sb-{i}");
         admit(store, &acct, &id, &wants("v", false)).await.unwrap();
         let row = store.get_volume(acct.id, "v").await.unwrap().unwrap();
-        assert_eq!(row.attached_to, [id.clone()]);
+        assert_eq!(row.attached_to, std::slice::from_ref(&id));
         assert!(row.attached_read_write);
         end(store, &id, status).await;
     }
@@ -275,7 +297,10 @@ async fn a_missing_volume_admits_nothing(db: Arc<Db>) {
     assert!(store.sandbox_by_id("sb-1").await.unwrap().is_none());
     assert!(store.list_sandboxes(acct.id).await.unwrap().is_empty());
     let row = store.get_volume(acct.id, "here").await.unwrap().unwrap();
-    assert!(row.attached_to.is_empty(), "the first attachment rolled back");
+    assert!(
+        row.attached_to.is_empty(),
+        "the first attachment rolled back"
+    );
 }
 
 /// The store half of pinning: a sandbox admitted on another host than its
@@ -290,7 +315,13 @@ async fn a_volume_pins_its_sandboxes_to_its_host(db: Arc<Db>) {
         .unwrap();
     assert_eq!(row.host, "h1");
     let elsewhere = store
-        .admit_sandbox_with_volumes(&acct, &sandbox("sb-2", "h2"), &sandbox_limits(), &wants("v", true), T0)
+        .admit_sandbox_with_volumes(
+            &acct,
+            &sandbox("sb-2", "h2"),
+            &sandbox_limits(),
+            &wants("v", true),
+            T0,
+        )
         .await;
     match elsewhere {
         Err(StoreError::Conflict { message }) => {
@@ -300,7 +331,13 @@ async fn a_volume_pins_its_sandboxes_to_its_host(db: Arc<Db>) {
     }
     assert!(store.sandbox_by_id("sb-2").await.unwrap().is_none());
     store
-        .admit_sandbox_with_volumes(&acct, &sandbox("sb-1", "h1"), &sandbox_limits(), &wants("v", true), T0)
+        .admit_sandbox_with_volumes(
+            &acct,
+            &sandbox("sb-1", "h1"),
+            &sandbox_limits(),
+            &wants("v", true),
+            T0,
+        )
         .await
         .unwrap();
 }
@@ -340,7 +377,9 @@ async fn delete_is_refused_while_attached(db: Arc<Db>) {
         .create_volume(&acct, &volume("v", 10), &limits, T0)
         .await
         .unwrap();
-    admit(store, &acct, "sb-1", &wants("v", true)).await.unwrap();
+    admit(store, &acct, "sb-1", &wants("v", true))
+        .await
+        .unwrap();
     match store.delete_volume(&acct, "v").await {
         Err(StoreError::Conflict { message }) => assert_eq!(message, "volume in use by sb-1"),
         other => panic!("expected a conflict, got {other:?}"),
