@@ -16,7 +16,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shoal_host::VolumeAttachment;
+use shoal_host::{valid_volume_name, VolumeAttachment};
 use shoal_store::{Account, NewVolume, VolumeRequest, VolumeRow, MAX_VOLUME_MB};
 use std::sync::Arc;
 
@@ -24,19 +24,6 @@ type St = State<Arc<ControlPlane>>;
 
 /// Volumes one sandbox may attach (the slots baked into every template).
 pub const MAX_VOLUMES_PER_SANDBOX: usize = shoal_host::VOLUME_SLOTS;
-
-/// `[a-z0-9][a-z0-9_-]{0,62}`: also the image's file name and the guest's
-/// mount directory, so nothing else may pass.
-pub fn valid_volume_name(name: &str) -> bool {
-    name.len() <= 63
-        && name
-            .bytes()
-            .next()
-            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-}
 
 fn volume_not_found(name: &str) -> ApiError {
     ApiError::not_found(format!("volume not found: {name}"))

@@ -404,6 +404,21 @@ impl Engine {
 
     async fn bring_up(&self, vm: &Vm, source: &Manifest) -> Result<()> {
         std::fs::create_dir_all(&vm.dir).io_context(|| format!("creating {}", vm.dir.display()))?;
+        let mut inner = vm.inner.lock().await;
+        // vm.json goes first with no pid, so a crash mid-restore is reaped.
+        vm.store_record(&inner)?;
+        let live = self.restore_vm(vm, source, volume::Step::Mount).await?;
+        inner.live = Some(live);
+        inner.source = source.clone();
+        vm.set_state(&mut inner, VmState::Running);
+        vm.store_record(&inner)?;
+        Ok(())
+    }
+
+    /// Restores `vm` from `source` with its volumes behind their slots, then
+    /// has the guest mount them (a new sandbox) or thaw them (a wake). On
+    /// failure the process is killed.
+    async fn restore_vm(&self, vm: &Vm, source: &Manifest, step: volume::Step) -> Result<vm::Live> {
         let overlay = self.empty_overlay(source)?;
         let placeholder = self.volume_placeholder()?;
         let ctx = RestoreContext {
@@ -412,9 +427,6 @@ impl Engine {
             empty_overlay: &overlay,
             volume_placeholder: &placeholder,
         };
-        let mut inner = vm.inner.lock().await;
-        // vm.json goes first with no pid, so a crash mid-restore is reaped.
-        vm.store_record(&inner)?;
         let net = self.net.take().await?;
         let mut live = vm::restore(
             &ctx,
@@ -426,16 +438,12 @@ impl Engine {
             &vm.volumes,
         )
         .await?;
-        if let Err(e) = volume::attach(&live.agent, &vm.volumes).await {
+        if let Err(e) = volume::after_restore(&live.agent, &vm.volumes, step).await {
             vm::kill_process_group(live.pid);
             let _ = live.child.wait().await;
             return Err(e);
         }
-        inner.live = Some(live);
-        inner.source = source.clone();
-        vm.set_state(&mut inner, VmState::Running);
-        vm.store_record(&inner)?;
-        Ok(())
+        Ok(live)
     }
 
     /// The file behind unused volume slots, made once in the cache.
@@ -720,31 +728,8 @@ impl Engine {
                 });
             }
             self.check_compatible(&inner.source)?;
-            let overlay = self.empty_overlay(&inner.source)?;
-            let placeholder = self.volume_placeholder()?;
-            let ctx = RestoreContext {
-                qemu: &self.config.qemu,
-                accel: self.accel,
-                empty_overlay: &overlay,
-                volume_placeholder: &placeholder,
-            };
             let source = inner.source.clone();
-            let net = self.net.take().await?;
-            let mut live = vm::restore(
-                &ctx,
-                &vm.id,
-                &vm.dir,
-                &source,
-                net,
-                vm.allow_internet,
-                &vm.volumes,
-            )
-            .await?;
-            if let Err(e) = volume::thaw(&live.agent, &vm.volumes).await {
-                vm::kill_process_group(live.pid);
-                let _ = live.child.wait().await;
-                return Err(e);
-            }
+            let live = self.restore_vm(&vm, &source, volume::Step::Thaw).await?;
             inner.live = Some(live);
             vm.set_state(&mut inner, VmState::Running);
             vm.store_record(&inner)?;

@@ -39,6 +39,19 @@ pub struct VolumeAttachment {
     pub read_only: bool,
 }
 
+/// `[a-z0-9][a-z0-9_-]{0,62}`: a volume's name is also its image's file
+/// name and the guest's mount directory, so nothing else may pass.
+pub fn valid_name(name: &str) -> bool {
+    name.len() <= 63
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
 /// Checks what a create asks for before anything starts.
 pub(crate) fn validate(volumes: &[VolumeAttachment]) -> Result<()> {
     if volumes.len() > VOLUME_SLOTS {
@@ -47,17 +60,7 @@ pub(crate) fn validate(volumes: &[VolumeAttachment]) -> Result<()> {
         )));
     }
     for (i, volume) in volumes.iter().enumerate() {
-        let name_ok = volume.name.len() <= 63
-            && volume
-                .name
-                .bytes()
-                .next()
-                .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-            && volume
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
-        if !name_ok {
+        if !valid_name(&volume.name) {
             return Err(EngineError::InvalidInput(format!(
                 "volume name {:?} must be [a-z0-9][a-z0-9_-]{{0,62}}",
                 volume.name
@@ -215,12 +218,28 @@ async fn run(agent: &AgentClient, what: &str, script: String) -> Result<()> {
     Ok(())
 }
 
-/// Mounts the volumes of a freshly restored guest (see the module doc).
-pub(crate) async fn attach(agent: &AgentClient, volumes: &[VolumeAttachment]) -> Result<()> {
-    if volumes.is_empty() {
-        return Ok(());
+/// What a restored guest does with its volumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// A new sandbox: rebind the slots and mount (see the module doc).
+    Mount,
+    /// A wake: the mounts came back with the memory; thaw what the
+    /// hibernation froze.
+    Thaw,
+}
+
+pub(crate) async fn after_restore(
+    agent: &AgentClient,
+    volumes: &[VolumeAttachment],
+    step: Step,
+) -> Result<()> {
+    match step {
+        Step::Mount if !volumes.is_empty() => {
+            run(agent, "attaching volumes", attach_script(volumes)).await
+        }
+        Step::Mount => Ok(()),
+        Step::Thaw => thaw(agent, volumes).await,
     }
-    run(agent, "attaching volumes", attach_script(volumes)).await
 }
 
 /// Leaves the writable volumes clean on the host (see [`detach_script`]).

@@ -15,6 +15,7 @@ mod volumes;
 pub use capacity::{Capacity, Reservation};
 pub use shoal_engine::net::GUEST_IP;
 pub use shoal_engine::qemu::VOLUME_SLOTS;
+pub use shoal_engine::volume::valid_name as valid_volume_name;
 pub use shoal_engine::{
     CreateOptions, Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage, VmState,
     VolumeAttachment,
