@@ -187,7 +187,7 @@ async fn placement_rate(store: &Store, seconds: u64) -> Result<f64> {
     while Instant::now() < deadline {
         let start = Instant::now();
         let (_, placement) = front
-            .place()
+            .place(None)
             .await
             .map_err(|r| anyhow::anyhow!("placement refused: {}", r.status()))?;
         deciding += start.elapsed();

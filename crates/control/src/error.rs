@@ -74,6 +74,8 @@ impl From<StoreError> for ApiError {
                 StatusCode::TOO_MANY_REQUESTS,
                 format!("quota exceeded: the {message}"),
             ),
+            StoreError::NotFound { message } => Self::not_found(message),
+            StoreError::Conflict { message } => Self::conflict(message),
             other => {
                 tracing::error!(error = %other, "database");
                 Self::internal(format!("database error: {other}"))
@@ -93,6 +95,14 @@ impl From<HostError> for ApiError {
             HostError::Engine(e) => e.into(),
             HostError::Repl(e) => e.into(),
             HostError::NoSuchSession => Self::not_found("session not found"),
+            HostError::StorageShort { .. } => Self::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient host storage for volume",
+            ),
+            HostError::Volume(message) => {
+                tracing::error!(error = message, "volume image");
+                Self::internal(format!("volume image: {message}"))
+            }
             HostError::Invalid(message) => Self::conflict(message),
         }
     }
@@ -108,6 +118,7 @@ impl From<EngineError> for ApiError {
             EngineError::NoSuchSnapshot(_) => Self::not_found("snapshot not found"),
             EngineError::WrongState { state, .. } => Self::conflict(format!("sandbox is {state}")),
             EngineError::InvalidInput(message) => Self::bad_request(message),
+            e @ EngineError::HasVolumes(_) => Self::conflict(e.to_string()),
             EngineError::Agent(e) => e.into(),
             EngineError::Timeout(what) => {
                 Self::new(StatusCode::GATEWAY_TIMEOUT, format!("timeout {what}"))

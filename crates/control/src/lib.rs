@@ -5,8 +5,9 @@
 //! Owns: the routes (see `docs/api/CONTRACT.md` and `docs/api/SWEEPS.md`,
 //! served as `docs/api/openapi.json`), authentication and tenancy (a token
 //! sees only its own account's objects; anything else is a 404), quota
-//! admission through the store, the background lifecycle and metering
-//! loops, and the runner that runs sweep cells (`runner.rs`).
+//! admission through the store, volumes (`volumes.rs`: rows through the
+//! store, images through the host agent), the background lifecycle and
+//! metering loops, and the runner that runs sweep cells (`runner.rs`).
 //!
 //! Does not touch: QEMU or the guest directly (only through
 //! [`shoal_host::HostAgent`]), or SQL (only through [`shoal_store::Store`]).
@@ -24,6 +25,7 @@ mod runner;
 mod sandboxes;
 mod sweeps;
 mod usage;
+mod volumes;
 
 pub use apps::AppsConfig;
 pub use error::{ApiError, ApiResult};
@@ -33,7 +35,7 @@ pub use runner::RunnerConfig;
 use axum::routing::{any, get, post};
 use axum::Router;
 use shoal_host::HostAgent;
-use shoal_store::{Account, Store, Tier, TierLimits};
+use shoal_store::{Account, Store, Tier, TierLimits, VolumeLimits};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -47,6 +49,7 @@ pub struct ControlConfig {
     /// Name of the host its sandboxes run on (recorded in their rows).
     pub host_name: String,
     pub limits: HashMap<Tier, TierLimits>,
+    pub volume_limits: HashMap<Tier, VolumeLimits>,
     pub lifecycle: LifecycleConfig,
     pub sweeps: RunnerConfig,
     pub apps: AppsConfig,
@@ -59,6 +62,10 @@ impl Default for ControlConfig {
             limits: [Tier::Free, Tier::Pro, Tier::Team]
                 .into_iter()
                 .map(|t| (t, TierLimits::default_for(t)))
+                .collect(),
+            volume_limits: [Tier::Free, Tier::Pro, Tier::Team]
+                .into_iter()
+                .map(|t| (t, VolumeLimits::default_for(t)))
                 .collect(),
             lifecycle: LifecycleConfig::default(),
             sweeps: RunnerConfig::default(),
@@ -99,6 +106,14 @@ impl ControlPlane {
             .get(&tier)
             .copied()
             .unwrap_or_else(|| TierLimits::default_for(tier))
+    }
+
+    pub fn volume_limits(&self, tier: Tier) -> VolumeLimits {
+        self.config
+            .volume_limits
+            .get(&tier)
+            .copied()
+            .unwrap_or_else(|| VolumeLimits::default_for(tier))
     }
 
     /// The account of `token`, from a short cache in front of the store (the
@@ -144,7 +159,11 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route("/v1/me", get(meta::me))
         .route("/v1/templates", get(meta::templates))
         .route("/v1/snapshots", get(meta::snapshots))
-        .route("/v1/volumes", get(meta::volumes))
+        .route("/v1/volumes", post(volumes::create).get(volumes::list))
+        .route(
+            "/v1/volumes/{name}",
+            get(volumes::get).delete(volumes::delete),
+        )
         .route("/v1/usage", get(usage::account_usage))
         .route(
             "/v1/sandboxes",

@@ -1,6 +1,6 @@
 //! Routes about the account and the service rather than one sandbox's
-//! guest: health, the OpenAPI document, `/v1/me`, templates, snapshots,
-//! volumes; and a sandbox's console log and listening ports.
+//! guest: health, the OpenAPI document, `/v1/me`, templates, snapshots;
+//! and a sandbox's console log and listening ports.
 
 use crate::error::ApiResult;
 use crate::extract::Caller;
@@ -25,6 +25,7 @@ pub async fn openapi() -> impl IntoResponse {
 
 pub async fn me(State(cp): St, Caller(account): Caller) -> Json<Value> {
     let limits = cp.limits(account.tier);
+    let volumes = cp.volume_limits(account.tier);
     Json(json!({
         "account": account.name,
         "user_id": account.name,
@@ -33,6 +34,9 @@ pub async fn me(State(cp): St, Caller(account): Caller) -> Json<Value> {
         "limits": {
             "max_concurrent_sandboxes": limits.concurrent,
             "max_creates_per_hour": limits.creates_per_hour,
+            "max_volumes": volumes.count,
+            "max_volume_size_mb": volumes.size_mb,
+            "max_volume_total_mb": volumes.total_mb,
         },
     }))
 }
@@ -82,10 +86,6 @@ pub async fn snapshots(
         })
         .collect();
     Ok(Json(json!({ "snapshots": items })))
-}
-
-pub async fn volumes(Caller(_): Caller) -> Json<Value> {
-    Json(json!({ "items": [] }))
 }
 
 /// The guest console so far (kernel and guest agent output).

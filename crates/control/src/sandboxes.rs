@@ -169,18 +169,10 @@ pub struct CreateBody {
     persistent: Option<bool>,
     metadata: Option<Metadata>,
     from_snapshot: Option<String>,
-    volumes: Option<Vec<VolumeRef>>,
+    volumes: Option<Vec<crate::volumes::VolumeRef>>,
     /// Whether the guest may open connections to the internet (default
     /// true); never to private addresses, the host or other sandboxes.
     allow_internet: Option<bool>,
-}
-
-#[derive(Deserialize)]
-struct VolumeRef {
-    name: String,
-    #[serde(default)]
-    #[allow(dead_code)]
-    read_only: bool,
 }
 
 fn seconds(field: &str, value: Option<i64>) -> ApiResult<Option<u64>> {
@@ -238,12 +230,7 @@ async fn create_detached(
     let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
     let metadata = body.metadata.unwrap_or_default();
     check_metadata(&metadata)?;
-    if let Some(volume) = body.volumes.unwrap_or_default().first() {
-        return Err(ApiError::not_found(format!(
-            "volume not found: {}",
-            volume.name
-        )));
-    }
+    let volumes = crate::volumes::requests(&body.volumes.unwrap_or_default())?;
     let (source, template, mode) = match &body.from_snapshot {
         Some(snapshot) => {
             let row = cp
@@ -278,12 +265,15 @@ async fn create_detached(
         tree_id: None,
         host: Some(cp.config.host_name.clone()),
     };
+    // Volumes are attached with the admission: a missing one (404) or one
+    // held in a way this cannot share (409) leaves nothing behind.
     let mut row = cp
         .store
-        .admit_sandbox(&account, &new, &cp.limits(account.tier), now())
+        .admit_sandbox_with_volumes(&account, &new, &cp.limits(account.tier), &volumes, now())
         .await?;
     let options = CreateOptions {
         allow_internet: body.allow_internet.unwrap_or(true),
+        volumes: cp.attachments(&account, &volumes),
     };
     match cp.host.create(&slot, &row.id, &source, options).await {
         Ok(info) => {
@@ -351,6 +341,11 @@ async fn fork_children(
     tree_id: Option<String>,
 ) -> ApiResult<Vec<SandboxRow>> {
     check_metadata(&extra)?;
+    // Refused before any child is admitted (the engine refuses too).
+    let info = cp.host.engine().get(&parent.id).await?;
+    if !info.volumes.is_empty() {
+        return Err(shoal_host::EngineError::HasVolumes(parent.id.clone()).into());
+    }
     let slots = cp.host.reserve(count).await?;
     let mut metadata = parent.metadata.clone();
     metadata.extend(extra);

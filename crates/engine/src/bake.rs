@@ -88,7 +88,13 @@ impl Engine {
                 return Err(e);
             }
         };
-        for leftover in ["qmp.sock", "agent.sock", "qemu.log"] {
+        for leftover in [
+            "qmp.sock",
+            "agent.sock",
+            "qemu.log",
+            "volume-slot-0.raw",
+            "volume-slot-1.raw",
+        ] {
             let _ = std::fs::remove_file(tmp_dir.join(leftover));
         }
         std::fs::rename(&tmp_dir, &final_dir)
@@ -192,6 +198,7 @@ impl Engine {
                 cmdline: cmdline.to_string(),
             },
             net_namespace: -1,
+            volume_slots: crate::volume::bake_slots(dir)?,
         };
         let booted = cold_boot(&launch, self.net.take().await?).await?;
         let ColdBoot {
@@ -354,6 +361,7 @@ impl Engine {
                     cmdline: self.kernel_cmdline(),
                 },
                 net_namespace: -1,
+                volume_slots: crate::volume::bake_slots(&dir)?,
             };
             let mut booted = cold_boot(&launch, self.net.take().await?).await?;
             kill_process_group(booted.pid);

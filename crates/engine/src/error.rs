@@ -28,6 +28,9 @@ pub enum EngineError {
         state: &'static str,
         wanted: &'static str,
     },
+    /// Forks and snapshots of a sandbox with volumes are refused.
+    #[error("sandbox {0} has volumes attached: it cannot be forked or snapshotted (a volume has one writer)")]
+    HasVolumes(String),
     #[error("invalid request: {0}")]
     InvalidInput(String),
     #[error("another engine holds {0}")]

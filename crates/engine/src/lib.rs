@@ -8,6 +8,12 @@
 //! Networking (`net`): every VM's QEMU runs in a network namespace of its
 //! own, taken from a pool prepared in the background.
 //!
+//! Volumes (`volume`): images the host agent made, put behind the volume
+//! slots baked into every template and mounted in the guest at
+//! `/mnt/volumes/<name>`. A sandbox with volumes is never forked or
+//! snapshotted (a volume has one writer; a capture would restore a guest
+//! that has a file system mounted on a placeholder).
+//!
 //! Does not own: HTTP, accounts, quotas or placement; the control plane
 //! decides which sandbox exists and calls in here. Speaks QMP
 //! only through `shoal-qmp` and the guest protocol only through
@@ -20,10 +26,11 @@
 //! <cache>/images/                  image layers (shoal-image)
 //! <cache>/templates/<name>/<hash>/ baked template: memory, devices, disk.qcow2, manifest.json
 //! <cache>/templates/<name>/current the hash in use
-//! <cache>/overlays/                empty qcow2 layers copied for each VM
+//! <cache>/overlays/                empty qcow2 layers copied for each VM, the volume-slot placeholder
 //! <state>/engine.lock
 //! <state>/captures/<id>/           fork points, snapshots, hibernated state
 //! <state>/vms/<id>/                one VM: sockets, logs, its disk layer, vm.json
+//! <state>/volumes/<account>/      volume images (made by the host agent; opened here)
 //! ```
 
 pub mod accel;
@@ -36,6 +43,7 @@ pub mod net;
 pub mod qemu;
 mod reap;
 pub mod vm;
+pub mod volume;
 
 pub use accel::Accel;
 pub use bake::BakeProgress;
@@ -43,6 +51,7 @@ pub use error::{EngineError, Result};
 pub use manifest::{Kind, Manifest};
 pub use shoal_proto::client::AgentClient;
 pub use vm::VmState;
+pub use volume::VolumeAttachment;
 
 use error::IoContext;
 use std::collections::HashMap;
@@ -124,6 +133,8 @@ pub struct SandboxInfo {
     pub allow_internet: bool,
     /// The host end of its veth pair, while it has a QEMU process.
     pub host_veth: Option<String>,
+    /// Volume names, in slot order, each mounted at `/mnt/volumes/<name>`.
+    pub volumes: Vec<String>,
 }
 
 /// What a create may choose besides its source.
@@ -131,12 +142,16 @@ pub struct SandboxInfo {
 pub struct CreateOptions {
     /// Whether the guest may open connections beyond its namespace.
     pub allow_internet: bool,
+    /// Volumes to put behind the slots and mount (at most
+    /// [`qemu::VOLUME_SLOTS`]); the caller decided they may be attached.
+    pub volumes: Vec<VolumeAttachment>,
 }
 
 impl Default for CreateOptions {
     fn default() -> Self {
         CreateOptions {
             allow_internet: true,
+            volumes: Vec::new(),
         }
     }
 }
@@ -220,6 +235,7 @@ impl Engine {
                 created_unix_ms: record.created_unix_ms,
                 restore_ms: Mutex::new(0.0),
                 allow_internet: record.allow_internet,
+                volumes: record.volumes,
             });
             engine.vms.lock().unwrap().insert(record.id, vm);
         }
@@ -303,7 +319,7 @@ impl Engine {
     ) -> Result<SandboxInfo> {
         let source = self.template(template)?;
         let id = id.unwrap_or_else(new_sandbox_id);
-        self.start_from(id, source, options.allow_internet).await
+        self.start_from(id, source, options).await
     }
 
     /// Creates a sandbox from a user snapshot.
@@ -325,7 +341,7 @@ impl Engine {
     ) -> Result<SandboxInfo> {
         let source = self.snapshot_manifest(snapshot)?;
         let id = id.unwrap_or_else(new_sandbox_id);
-        self.start_from(id, source, options.allow_internet).await
+        self.start_from(id, source, options).await
     }
 
     fn snapshot_manifest(&self, snapshot: &str) -> Result<Manifest> {
@@ -345,13 +361,14 @@ impl Engine {
         &self,
         id: String,
         source: Manifest,
-        allow_internet: bool,
+        options: CreateOptions,
     ) -> Result<SandboxInfo> {
         if !valid_id(&id) {
             return Err(EngineError::InvalidInput(format!(
                 "sandbox id {id:?} must be 1-64 of [a-z0-9-]"
             )));
         }
+        volume::validate(&options.volumes)?;
         let dir = self.vm_dir(&id);
         let vm = Arc::new(Vm {
             id: id.clone(),
@@ -364,7 +381,8 @@ impl Engine {
             state_now: Mutex::new((VmState::Running, None)),
             created_unix_ms: manifest::now_unix_ms(),
             restore_ms: Mutex::new(0.0),
-            allow_internet,
+            allow_internet: options.allow_internet,
+            volumes: options.volumes,
         });
         {
             let mut vms = self.vms.lock().unwrap();
@@ -391,22 +409,51 @@ impl Engine {
 
     async fn bring_up(&self, vm: &Vm, source: &Manifest) -> Result<()> {
         std::fs::create_dir_all(&vm.dir).io_context(|| format!("creating {}", vm.dir.display()))?;
-        let overlay = self.empty_overlay(source)?;
-        let ctx = RestoreContext {
-            qemu: &self.config.qemu,
-            accel: self.accel,
-            empty_overlay: &overlay,
-        };
         let mut inner = vm.inner.lock().await;
         // vm.json goes first with no pid, so a crash mid-restore is reaped.
         vm.store_record(&inner)?;
-        let net = self.net.take().await?;
-        let live = vm::restore(&ctx, &vm.id, &vm.dir, source, net, vm.allow_internet).await?;
+        let live = self.restore_vm(vm, source, volume::Step::Mount).await?;
         inner.live = Some(live);
         inner.source = source.clone();
         vm.set_state(&mut inner, VmState::Running);
         vm.store_record(&inner)?;
         Ok(())
+    }
+
+    /// Restores `vm` from `source` with its volumes behind their slots, then
+    /// has the guest mount them (a new sandbox) or thaw them (a wake). On
+    /// failure the process is killed.
+    async fn restore_vm(&self, vm: &Vm, source: &Manifest, step: volume::Step) -> Result<vm::Live> {
+        let overlay = self.empty_overlay(source)?;
+        let placeholder = self.volume_placeholder()?;
+        let ctx = RestoreContext {
+            qemu: &self.config.qemu,
+            accel: self.accel,
+            empty_overlay: &overlay,
+            volume_placeholder: &placeholder,
+        };
+        let net = self.net.take().await?;
+        let mut live = vm::restore(
+            &ctx,
+            &vm.id,
+            &vm.dir,
+            source,
+            net,
+            vm.allow_internet,
+            &vm.volumes,
+        )
+        .await?;
+        if let Err(e) = volume::after_restore(&live.agent, &vm.volumes, step).await {
+            vm::kill_process_group(live.pid);
+            let _ = live.child.wait().await;
+            return Err(e);
+        }
+        Ok(live)
+    }
+
+    /// The file behind unused volume slots, made once in the cache.
+    fn volume_placeholder(&self) -> Result<PathBuf> {
+        volume::placeholder(&self.config.cache_dir.join("overlays"))
     }
 
     /// An empty qcow2 layer the size of `source`'s disk, made once and copied.
@@ -458,6 +505,7 @@ impl Engine {
             guest_ip: net::GUEST_IP.to_string(),
             allow_internet: vm.allow_internet,
             host_veth: inner.live.as_ref().map(|l| l.net.host_veth()),
+            volumes: vm.volumes.iter().map(|v| v.name.clone()).collect(),
         }
     }
 
@@ -537,6 +585,7 @@ impl Engine {
             )));
         }
         let vm = self.vm(id)?;
+        refuse_capture_with_volumes(&vm)?;
         let capture_started = std::time::Instant::now();
         let (point, pin) = {
             let _gc = self.gc_lock.lock().await;
@@ -558,8 +607,11 @@ impl Engine {
                 .acquire()
                 .await
                 .expect("the semaphore is never closed");
-            self.start_from(child, point.clone(), vm.allow_internet)
-                .await
+            let options = CreateOptions {
+                allow_internet: vm.allow_internet,
+                volumes: Vec::new(),
+            };
+            self.start_from(child, point.clone(), options).await
         }))
         .await;
         drop(pin);
@@ -591,6 +643,7 @@ impl Engine {
     /// new sandboxes can be created from. Returns its id.
     pub async fn snapshot(&self, id: &str) -> Result<String> {
         let vm = self.vm(id)?;
+        refuse_capture_with_volumes(&vm)?;
         let _gc = self.gc_lock.lock().await;
         let mut inner = vm.inner.lock().await;
         running(&vm, &inner)?;
@@ -635,7 +688,22 @@ impl Engine {
             if inner.state == VmState::Hibernated {
                 return Ok(());
             }
-            let manifest = capture::capture(self, &vm, &mut inner, Kind::Hibernate, false).await?;
+            // Frozen first, so the images are clean should the sandbox be
+            // deleted without waking; a wake thaws them.
+            if let Some(live) = &inner.live {
+                volume::freeze(&live.agent, &vm.volumes).await?;
+            }
+            let captured = capture::capture(self, &vm, &mut inner, Kind::Hibernate, false).await;
+            let manifest = match captured {
+                Ok(manifest) => manifest,
+                Err(e) => {
+                    if let Some(live) = &inner.live {
+                        let _ = live.qmp.cont().await;
+                        let _ = volume::thaw(&live.agent, &vm.volumes).await;
+                    }
+                    return Err(e);
+                }
+            };
             if let Some(mut live) = inner.live.take() {
                 let _ = live.qmp.quit().await;
                 vm::kill_process_group(live.pid);
@@ -665,15 +733,8 @@ impl Engine {
                 });
             }
             self.check_compatible(&inner.source)?;
-            let overlay = self.empty_overlay(&inner.source)?;
-            let ctx = RestoreContext {
-                qemu: &self.config.qemu,
-                accel: self.accel,
-                empty_overlay: &overlay,
-            };
             let source = inner.source.clone();
-            let net = self.net.take().await?;
-            let live = vm::restore(&ctx, &vm.id, &vm.dir, &source, net, vm.allow_internet).await?;
+            let live = self.restore_vm(&vm, &source, volume::Step::Thaw).await?;
             inner.live = Some(live);
             vm.set_state(&mut inner, VmState::Running);
             vm.store_record(&inner)?;
@@ -692,6 +753,17 @@ impl Engine {
             .ok_or_else(|| EngineError::NoSuchSandbox(id.to_string()))?;
         let held_captures = {
             let mut inner = vm.inner.lock().await;
+            if let Some(live) = &inner.live {
+                if !vm.volumes.is_empty() {
+                    // A paused guest cannot unmount: let it run for that.
+                    if inner.state == VmState::Paused {
+                        let _ = live.qmp.cont().await;
+                    }
+                    if let Err(e) = volume::detach(&live.agent, &vm.volumes).await {
+                        tracing::warn!(id, error = %error::chain(&e), "volumes not left clean");
+                    }
+                }
+            }
             if let Some(mut live) = inner.live.take() {
                 vm::kill_process_group(live.pid);
                 let _ = live.child.wait().await;
@@ -765,6 +837,16 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.net.close();
     }
+}
+
+/// A capture of a sandbox with volumes would restore a guest with a file
+/// system mounted on a placeholder, and fork children would be second
+/// writers: refused.
+fn refuse_capture_with_volumes(vm: &Vm) -> Result<()> {
+    if vm.volumes.is_empty() {
+        return Ok(());
+    }
+    Err(EngineError::HasVolumes(vm.id.clone()))
 }
 
 fn running<'a>(vm: &Vm, inner: &'a VmInner) -> Result<&'a vm::Live> {

@@ -2,7 +2,9 @@
 //!
 //! Owns: the `microvm` machine layout (which devices, in which order), the
 //! accelerator flags, the seccomp sandbox, the disk chain as `-blockdev`
-//! nodes, and starting QEMU in its own process group inside the VM's
+//! nodes, the volume slots (virtio-blk devices baked into every template,
+//! since `microvm` has no hotplug), and starting QEMU in its own process
+//! group inside the VM's
 //! directory. Does not decide what to run: the engine hands it a
 //! [`LaunchSpec`]. Device order is part of every baked snapshot, so changing
 //! it must bump [`MACHINE_LAYOUT_VERSION`].
@@ -17,7 +19,18 @@ use tokio::process::Command as AsyncCommand;
 
 /// Bumped whenever the device layout or anything else that a snapshot's
 /// device state depends on changes; it is part of every bake's input hash.
-pub const MACHINE_LAYOUT_VERSION: u32 = 2;
+pub const MACHINE_LAYOUT_VERSION: u32 = 3;
+
+/// Volume slots of every VM: virtio-blk devices after the NIC, each backed
+/// by a placeholder file unless a volume is attached to it. The guest finds
+/// slot N by its serial, [`volume_slot_serial`].
+pub const VOLUME_SLOTS: usize = 2;
+
+/// The virtio-blk serial of volume slot `index`, as the guest reads it in
+/// `/sys/block/vdX/serial`.
+pub fn volume_slot_serial(index: usize) -> String {
+    format!("shoal-vol{index}")
+}
 
 /// The descriptor number the device state file is handed to QEMU on.
 pub const INCOMING_FD: i32 = 3;
@@ -48,6 +61,16 @@ pub struct LaunchSpec {
     /// The network namespace QEMU joins before exec (see `net.rs`); its
     /// `tap0` backs the guest's virtio-net device.
     pub net_namespace: RawFd,
+    /// What backs each of the [`VOLUME_SLOTS`] slots, in slot order.
+    pub volume_slots: Vec<SlotBacking>,
+}
+
+/// The raw file behind one volume slot: a volume's ext4 image, or the
+/// placeholder of an unused slot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotBacking {
+    pub file: PathBuf,
+    pub read_only: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -166,6 +189,26 @@ impl LaunchSpec {
             "virtio-net-device,netdev=net0,mac={}",
             crate::net::GUEST_MAC
         ));
+        // The volume slots, after everything that existed before them. The
+        // backing file is not part of the migration stream, so a restore may
+        // put a volume of any size behind a slot baked with a placeholder.
+        for (index, slot) in self.volume_slots.iter().enumerate() {
+            let read_only = if slot.read_only { ",read-only=on" } else { "" };
+            push("-blockdev");
+            push(&format!(
+                "driver=file,filename={},node-name=fvol{index}{read_only}",
+                slot.file.display()
+            ));
+            push("-blockdev");
+            push(&format!(
+                "driver=raw,file=fvol{index},node-name=vol{index}{read_only}"
+            ));
+            push("-device");
+            push(&format!(
+                "virtio-blk-device,drive=vol{index},serial={}",
+                volume_slot_serial(index)
+            ));
+        }
         match &self.boot {
             Boot::Kernel {
                 kernel,
@@ -301,6 +344,16 @@ mod tests {
             dir: "/v".into(),
             boot,
             net_namespace: -1,
+            volume_slots: vec![
+                SlotBacking {
+                    file: "/c/placeholder".into(),
+                    read_only: true,
+                },
+                SlotBacking {
+                    file: "/s/volumes/7/data.ext4".into(),
+                    read_only: false,
+                },
+            ],
         }
     }
 
@@ -330,6 +383,23 @@ mod tests {
         assert!(args.contains("driver=raw,file=f0,node-name=l0,read-only=on "));
         assert!(args.contains("driver=qcow2,file=f1,node-name=l1,read-only=on,backing=l0"));
         assert!(args.contains("driver=qcow2,file=ftop,node-name=root,backing=l1"));
+    }
+
+    #[test]
+    fn volume_slots_follow_the_nic_with_their_own_backing() {
+        let args = joined(&spec(Boot::Restore));
+        let nic = args.find("virtio-net-device").unwrap();
+        let slot0 = args
+            .find("virtio-blk-device,drive=vol0,serial=shoal-vol0")
+            .unwrap();
+        let slot1 = args
+            .find("virtio-blk-device,drive=vol1,serial=shoal-vol1")
+            .unwrap();
+        assert!(nic < slot0 && slot0 < slot1);
+        assert!(args.contains("driver=file,filename=/c/placeholder,node-name=fvol0,read-only=on "));
+        assert!(args.contains("driver=raw,file=fvol0,node-name=vol0,read-only=on "));
+        assert!(args.contains("driver=file,filename=/s/volumes/7/data.ext4,node-name=fvol1 "));
+        assert!(args.contains("driver=raw,file=fvol1,node-name=vol1 "));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use crate::error::{EngineError, IoContext, Result};
 use crate::manifest::{write_json_atomically, Manifest};
 use crate::net::NetSlot;
 use crate::qemu::{self, Boot, LaunchSpec};
+use crate::volume::VolumeAttachment;
 use serde::{Deserialize, Serialize};
 use shoal_proto::client::AgentClient;
 use shoal_qmp::Qmp;
@@ -52,6 +53,9 @@ pub struct VmRecord {
     /// Whether the guest may open connections to the internet.
     #[serde(default = "yes")]
     pub allow_internet: bool,
+    /// The volumes behind its slots, in slot order (a wake puts them back).
+    #[serde(default)]
+    pub volumes: Vec<VolumeAttachment>,
 }
 
 fn yes() -> bool {
@@ -76,6 +80,7 @@ pub struct Vm {
     pub created_unix_ms: u64,
     pub restore_ms: Mutex<f64>,
     pub allow_internet: bool,
+    pub volumes: Vec<VolumeAttachment>,
 }
 
 pub(crate) struct VmInner {
@@ -107,6 +112,7 @@ impl Vm {
             source: inner.source.clone(),
             created_unix_ms: self.created_unix_ms,
             allow_internet: self.allow_internet,
+            volumes: self.volumes.clone(),
         }
     }
 
@@ -120,6 +126,8 @@ pub(crate) struct RestoreContext<'a> {
     pub qemu: &'a Path,
     pub accel: Accel,
     pub empty_overlay: &'a Path,
+    /// Behind the volume slots nothing is attached to.
+    pub volume_placeholder: &'a Path,
 }
 
 /// Starts QEMU on `source`, loads its device state, and gives the guest its
@@ -132,6 +140,7 @@ pub(crate) async fn restore(
     source: &Manifest,
     net: NetSlot,
     allow_internet: bool,
+    volumes: &[VolumeAttachment],
 ) -> Result<Live> {
     if allow_internet {
         net.allow_internet()?;
@@ -151,6 +160,7 @@ pub(crate) async fn restore(
         dir: dir.to_path_buf(),
         boot: Boot::Restore,
         net_namespace: net.ns_fd(),
+        volume_slots: crate::volume::slots(volumes, ctx.volume_placeholder),
     };
     let devices = std::fs::File::open(&source.devices_file)
         .io_context(|| format!("opening {}", source.devices_file.display()))?;

@@ -188,7 +188,14 @@ impl Sandbox {
 
     async fn create_from(template: &str, allow_internet: bool) -> Sandbox {
         let info = engine()
-            .create_with(template, None, CreateOptions { allow_internet })
+            .create_with(
+                template,
+                None,
+                CreateOptions {
+                    allow_internet,
+                    ..CreateOptions::default()
+                },
+            )
             .await
             .expect("create");
         Sandbox { id: info.id }

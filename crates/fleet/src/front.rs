@@ -10,7 +10,14 @@
 //!   placement so a burst does not pile onto one host before its next
 //!   heartbeat, and forward the request there; 503 `no compute capacity
 //!   available` with `Retry-After: 5` when nothing fits, before anything
-//!   exists.
+//!   exists. A create with volumes is pinned to their host (a volume's
+//!   image is on one host's disk): 503 `volume host unavailable`,
+//!   `Retry-After: 15`, when that host is stale.
+//! - `POST /v1/volumes`: placed on the live host placement likes best (no
+//!   reservation: a volume takes disk, not memory or CPU) and forwarded;
+//!   that agent checks its disk (507) and makes the image. A request about
+//!   one volume goes to its host; reading it works from any agent when
+//!   that host is stale, anything else is 503 `volume host unavailable`.
 //! - a request about a sandbox or an app: forward it to its host; when that
 //!   host is stale, reading or deleting the row still works (any live agent
 //!   answers from the database), anything else is 503 `sandbox host
@@ -100,6 +107,14 @@ fn host_unavailable() -> Response {
     refuse(
         StatusCode::SERVICE_UNAVAILABLE,
         "sandbox host unavailable",
+        Some(15),
+    )
+}
+
+fn volume_host_unavailable() -> Response {
+    refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "volume host unavailable",
         Some(15),
     )
 }
@@ -245,14 +260,15 @@ impl Front {
         Ok(hosts)
     }
 
-    /// Chooses a host for one new sandbox and records the placement, in
-    /// one decision no other front interleaves with (`Store::place`).
-    /// Returns the host's address and the placement's id.
-    pub async fn place(&self) -> Result<(String, String), Response> {
+    /// Chooses a host for one new sandbox (only `pinned_to` if given) and
+    /// records the placement, in one decision no other front interleaves
+    /// with (`Store::place`). Returns the host's address and the
+    /// placement's id.
+    pub async fn place(&self, pinned_to: Option<String>) -> Result<(String, String), Response> {
         let request = PlacementRequest {
             memory_mib: SANDBOX_RESIDENT_MIB,
             cpu_share: SANDBOX_CPU_SHARE,
-            pinned_to: None,
+            pinned_to,
         };
         // One decision of this front at a time holds a database connection;
         // the others wait here rather than on the database's lock.
@@ -280,8 +296,61 @@ impl Front {
         match decided {
             Ok((_, placement)) => Ok((url, placement)),
             Err(PlacementError::NoCapacity) => Err(no_capacity()),
-            Err(PlacementError::PinnedHostUnavailable) => Err(host_unavailable()),
+            Err(PlacementError::PinnedHostUnavailable) => Err(volume_host_unavailable()),
         }
+    }
+
+    /// The host for a new volume: the live host placement would choose for
+    /// a sandbox now, without a reservation. Its address.
+    async fn place_volume(&self) -> Result<String, Response> {
+        let at = now();
+        let hosts = self.store.hosts(at).await.map_err(database_error)?;
+        let capacities: Vec<HostCapacity> = hosts.iter().map(|h| capacity(h, at)).collect();
+        let request = PlacementRequest {
+            memory_mib: 0,
+            cpu_share: 0.0,
+            pinned_to: None,
+        };
+        let chosen = shoal_placement::place(&request, &capacities).map_err(|_| no_capacity())?;
+        Ok(hosts
+            .iter()
+            .find(|h| h.report.id == chosen.id)
+            .map(|h| h.report.url.clone())
+            .unwrap_or_default())
+    }
+
+    /// The host a create must run on: that of the volumes its body names
+    /// (404 for one the caller does not have, 409 for volumes on two
+    /// hosts), or `None` for a create without volumes (or a body the agent
+    /// will refuse anyway).
+    async fn volume_pin(&self, account: &Account, body: &[u8]) -> Result<Option<String>, Response> {
+        let names = volume_names(body);
+        let mut pinned: Option<String> = None;
+        for name in names {
+            let volume = self
+                .store
+                .get_volume(account.id, &name)
+                .await
+                .map_err(database_error)?
+                .ok_or_else(|| {
+                    refuse(
+                        StatusCode::NOT_FOUND,
+                        &format!("volume not found: {name}"),
+                        None,
+                    )
+                })?;
+            match &pinned {
+                Some(host) if *host != volume.host => {
+                    return Err(refuse(
+                        StatusCode::CONFLICT,
+                        "the volumes of one sandbox must live on one host",
+                        None,
+                    ))
+                }
+                _ => pinned = Some(volume.host),
+            }
+        }
+        Ok(pinned)
     }
 
     /// Sends the request on to an agent, streaming both bodies (exec
@@ -368,6 +437,8 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/fleet/config", get(config))
         .route("/v1/fleet/hosts", get(hosts))
         .route("/v1/sandboxes", post(create).fallback(elsewhere))
+        .route("/v1/volumes", post(create_volume).fallback(elsewhere))
+        .route("/v1/volumes/{name}", any(about_volume))
         .route("/v1/sandboxes/{id}", any(about_sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(about_sandbox))
         .route("/v1/apps", post(create).fallback(elsewhere))
@@ -456,10 +527,15 @@ async fn create(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(response) = front.caller(&headers).await {
-        return response;
-    }
-    let (url, placement) = match front.place().await {
+    let account = match front.caller(&headers).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
+    let pinned = match front.volume_pin(&account, &body).await {
+        Ok(pinned) => pinned,
+        Err(response) => return response,
+    };
+    let (url, placement) = match front.place(pinned).await {
         Ok(chosen) => chosen,
         Err(response) => return response,
     };
@@ -584,6 +660,97 @@ impl Front {
     }
 }
 
+/// The volume names a create's JSON body lists (none for a body that is
+/// not such JSON: the agent answers that one).
+fn volume_names(body: &[u8]) -> Vec<String> {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return Vec::new();
+    };
+    value
+        .get("volumes")
+        .and_then(|v| v.as_array())
+        .map(|volumes| {
+            volumes
+                .iter()
+                .filter_map(|v| v.get("name")?.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn create_volume(
+    State(front): St,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(response) = front.caller(&headers).await {
+        return response;
+    }
+    let url = match front.place_volume().await {
+        Ok(url) => url,
+        Err(response) => return response,
+    };
+    match front
+        .forward(&url, method, &uri, &headers, body.into())
+        .await
+    {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::warn!(host = url, error = %e, "agent unreachable for a volume create");
+            no_capacity()
+        }
+    }
+}
+
+/// A request about one volume: to its host, which holds the image; a read
+/// works from any agent when that host is stale.
+async fn about_volume(
+    State(front): St,
+    Path(name): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let account = match front.caller(&headers).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
+    let volume = match front.store.get_volume(account.id, &name).await {
+        Ok(Some(volume)) => volume,
+        Ok(None) => {
+            return refuse(
+                StatusCode::NOT_FOUND,
+                &format!("volume not found: {name}"),
+                None,
+            )
+        }
+        Err(e) => return database_error(e),
+    };
+    let hosts = match front.routing_view().await {
+        Ok(hosts) => hosts,
+        Err(response) => return response,
+    };
+    let at = now();
+    let home = hosts
+        .iter()
+        .find(|h| h.report.id == volume.host)
+        .filter(|h| h.is_fresh(at, STALE_AFTER.as_secs_f64()));
+    match home {
+        Some(host) => front
+            .forward(&host.report.url, method, &uri, &headers, body.into())
+            .await
+            .unwrap_or_else(|e| {
+                tracing::warn!(host = host.report.id, error = %e, "volume host unreachable");
+                volume_host_unavailable()
+            }),
+        None if method == Method::GET => front.forward_to_any(method, &uri, &headers, body).await,
+        None => volume_host_unavailable(),
+    }
+}
+
 /// Routes that are not about one sandbox: any agent answers.
 async fn elsewhere(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
@@ -594,4 +761,75 @@ async fn elsewhere(State(front): St, request: Request) -> Response {
     front
         .forward_to_any(parts.method, &parts.uri, &parts.headers, body)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_create_names_its_volumes_in_its_body() {
+        let body = br#"{"template": "base", "volumes": [{"name": "data"}, {"name": "cache", "read_only": true}]}"#;
+        assert_eq!(volume_names(body), ["data", "cache"]);
+        assert!(volume_names(br#"{"template": "base"}"#).is_empty());
+        assert!(volume_names(b"not json").is_empty());
+        assert!(volume_names(br#"{"volumes": "data"}"#).is_empty());
+    }
+
+    fn host(id: &str, heartbeat_at: f64) -> HostRow {
+        HostRow {
+            report: HostReport {
+                id: id.into(),
+                url: format!("http://{id}"),
+                vcpus: 2,
+                cpu_busy: 0.0,
+                memory_mib: 8192,
+                available_mib: 8192,
+                reserve_mib: 0,
+                sandboxes: 0,
+                max_sandboxes: None,
+                pss_mib: 0,
+                draining: false,
+            },
+            registered_at: heartbeat_at,
+            heartbeat_at,
+            in_flight_sandboxes: 0,
+            in_flight_memory_mib: 0,
+            in_flight_cpu_share: 0.0,
+        }
+    }
+
+    /// A create with a volume goes to the volume's host even when another
+    /// is emptier, and nowhere when that host is stale.
+    #[test]
+    fn a_volume_pins_the_create_to_its_host() {
+        let at = 1000.0;
+        let mut busy = host("with-volume", at);
+        busy.report.cpu_busy = 0.9;
+        let hosts = [busy, host("idle", at)];
+        let capacities: Vec<HostCapacity> = hosts.iter().map(|h| capacity(h, at)).collect();
+        let request = |pinned: Option<&str>| PlacementRequest {
+            memory_mib: SANDBOX_RESIDENT_MIB,
+            cpu_share: SANDBOX_CPU_SHARE,
+            pinned_to: pinned.map(str::to_string),
+        };
+        assert_eq!(
+            shoal_placement::place(&request(None), &capacities)
+                .unwrap()
+                .id,
+            "idle"
+        );
+        assert_eq!(
+            shoal_placement::place(&request(Some("with-volume")), &capacities)
+                .unwrap()
+                .id,
+            "with-volume"
+        );
+        let stale = [host("with-volume", at - 60.0), host("idle", at)];
+        let capacities: Vec<HostCapacity> = stale.iter().map(|h| capacity(h, at)).collect();
+        assert_eq!(
+            shoal_placement::place(&request(Some("with-volume")), &capacities),
+            Err(PlacementError::PinnedHostUnavailable)
+        );
+    }
 }

@@ -2,19 +2,23 @@
 //!
 //! Owns this host's [`Engine`] and what lives beside its VMs: the capacity
 //! gate (a host that is full or short of memory refuses *before* anything
-//! exists, so a refused create can be retried safely) and the repl sessions
-//! of its sandboxes.
+//! exists, so a refused create can be retried safely), the repl sessions
+//! of its sandboxes, and the volume images on its disk (`volumes.rs`).
 //!
 //! Does not touch: the database, accounts, quotas or HTTP. The control plane
 //! decides *whether* a sandbox may exist; the host decides whether it fits.
 
 mod capacity;
 mod repl;
+mod volumes;
 
 pub use capacity::{Capacity, Reservation};
 pub use shoal_engine::net::GUEST_IP;
+pub use shoal_engine::qemu::VOLUME_SLOTS;
+pub use shoal_engine::volume::valid_name as valid_volume_name;
 pub use shoal_engine::{
     CreateOptions, Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage, VmState,
+    VolumeAttachment,
 };
 pub use shoal_repl::{CellOutput, ReplError};
 
@@ -43,6 +47,14 @@ pub enum HostError {
         available_mib: u64,
         reserve_mib: u64,
     },
+    /// The host's disk cannot hold a new volume: nothing was made.
+    #[error(
+        "insufficient host storage for volume: {available_mb} MiB free, {wanted_mb} MiB wanted"
+    )]
+    StorageShort { available_mb: u64, wanted_mb: u64 },
+    /// Making or removing a volume image failed.
+    #[error("volume image: {0}")]
+    Volume(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]

@@ -5,8 +5,9 @@
 //! It owns accounts and hashed API tokens, sandbox rows and their life-cycle
 //! fields, the atomic quota check at admission, the reaper's query, usage
 //! samples and their priced report, snapshot records, sweeps (cells that
-//! runners claim under leases, fenced by claim ids: `sweeps.rs`), and apps
-//! (long-running services and their deploy/wake state: `apps.rs`). It knows
+//! runners claim under leases, fenced by claim ids: `sweeps.rs`), apps
+//! (long-running services and their deploy/wake state: `apps.rs`), and
+//! volumes with their attachments and quotas (`volumes.rs`). It knows
 //! nothing of HTTP (no status codes: [`StoreError::Quota`] is for the caller
 //! to map), and it starts, stops or inspects no VM: a row says what the
 //! control plane believes, the engine and host agents make it so.
@@ -35,6 +36,7 @@ mod sandboxes;
 mod snapshots;
 mod sweeps;
 mod usage;
+mod volumes;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -57,6 +59,13 @@ pub enum StoreError {
     /// ("free tier allows 5 concurrent sandboxes").
     #[error("{message}")]
     Quota { message: String },
+    /// Something the request names does not exist ("volume not found: x").
+    #[error("{message}")]
+    NotFound { message: String },
+    /// The request conflicts with what exists ("volume in use", a
+    /// duplicate name).
+    #[error("{message}")]
+    Conflict { message: String },
     #[error("{what} {id} already exists")]
     AlreadyExists { what: &'static str, id: String },
     #[error("unknown tier {0:?} (want free, pro or team)")]

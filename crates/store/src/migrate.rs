@@ -45,6 +45,11 @@ const SQLITE: &[Embedded] = &[
         include_str!("../migrations/sqlite/0004_hosts.sql"),
     ),
     (
+        5,
+        "volumes",
+        include_str!("../migrations/sqlite/0005_volumes.sql"),
+    ),
+    (
         6,
         "apps",
         include_str!("../migrations/sqlite/0006_apps.sql"),
@@ -71,6 +76,11 @@ const POSTGRES: &[Embedded] = &[
         4,
         "hosts",
         include_str!("../migrations/postgres/0004_hosts.sql"),
+    ),
+    (
+        5,
+        "volumes",
+        include_str!("../migrations/postgres/0005_volumes.sql"),
     ),
     (
         6,

@@ -76,6 +76,66 @@ impl TierLimits {
     }
 }
 
+/// The largest volume anyone may make, whatever the tier: 64 GiB.
+pub const MAX_VOLUME_MB: u64 = 65536;
+
+/// Volume quotas, checked by [`Store::create_volume`](crate::Store::create_volume).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeLimits {
+    /// Volumes an account may hold at once.
+    pub count: u32,
+    /// Size of one volume, in MB (MiB).
+    pub size_mb: u64,
+    /// Provisioned size of all its volumes together, in MB.
+    pub total_mb: u64,
+}
+
+impl VolumeLimits {
+    /// The SDK's plans: Free 1 × 1 GiB; Pro 10 × 10 GiB, 100 GiB in all;
+    /// Team 50 × 50 GiB, 2.5 TiB in all.
+    pub fn default_for(tier: Tier) -> VolumeLimits {
+        let (count, size_mb, total_mb) = match tier {
+            Tier::Free => (1, 1024, 1024),
+            Tier::Pro => (10, 10 * 1024, 100 * 1024),
+            Tier::Team => (50, 50 * 1024, 2560 * 1024),
+        };
+        VolumeLimits {
+            count,
+            size_mb,
+            total_mb,
+        }
+    }
+}
+
+/// A volume about to be recorded, on the host that makes its image.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewVolume {
+    pub name: String,
+    pub size_mb: u64,
+    pub host: String,
+}
+
+/// One volume as stored, with the live sandboxes it is attached to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VolumeRow {
+    pub account_id: i64,
+    pub name: String,
+    pub size_mb: u64,
+    pub host: String,
+    pub created_at: f64,
+    /// Ids of the live sandboxes holding it, oldest attachment first.
+    pub attached_to: Vec<String>,
+    /// Whether one of them holds it read-write.
+    pub attached_read_write: bool,
+}
+
+/// A volume a new sandbox asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRequest {
+    pub name: String,
+    pub read_only: bool,
+}
+
 /// An authenticated account.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Account {

@@ -12,7 +12,7 @@
 use crate::row::{self, sandbox_columns, signed, Column};
 use crate::{
     on_reader, on_writer, status, Account, Backend, NewSandbox, Result, SandboxPatch, SandboxRow,
-    Store, StoreError, TierLimits,
+    Store, StoreError, TierLimits, VolumeRequest,
 };
 
 /// The condition for a live sandbox, as a literal for `concat!`. Keep in step
@@ -107,12 +107,17 @@ const REAP: &str = concat!(
 const CLEAR_EXECS: &str = "UPDATE sandboxes SET running_execs = 0 \
      WHERE running_execs <> 0 AND (host = $1 OR host IS NULL)";
 
+/// How a transaction that checks an account's quotas begins, and the
+/// statement that takes the account's lock (see the module doc).
+pub(crate) fn admission_lock(store: &Store) -> (&'static str, &'static str) {
+    match &*store.inner {
+        Backend::Sqlite { .. } => ("BEGIN IMMEDIATE", LOCK_ACCOUNT_SQLITE),
+        Backend::Postgres(_) => ("BEGIN", LOCK_ACCOUNT_POSTGRES),
+    }
+}
+
 impl Store {
-    /// Checks the account's quotas and inserts the sandbox with status
-    /// `creating`, atomically: concurrent calls never admit more than the
-    /// limits allow. Refuses with [`StoreError::Quota`] when the account has
-    /// `limits.concurrent` live sandboxes, or created `limits.creates_per_hour`
-    /// sandboxes in the last hour (including ones since deleted or failed).
+    /// [`Store::admit_sandbox_with_volumes`] with no volumes.
     pub async fn admit_sandbox(
         &self,
         account: &Account,
@@ -120,10 +125,31 @@ impl Store {
         limits: &TierLimits,
         now: f64,
     ) -> Result<SandboxRow> {
-        let (begin, lock) = match &*self.inner {
-            Backend::Sqlite { .. } => ("BEGIN IMMEDIATE", LOCK_ACCOUNT_SQLITE),
-            Backend::Postgres(_) => ("BEGIN", LOCK_ACCOUNT_POSTGRES),
-        };
+        self.admit_sandbox_with_volumes(account, new, limits, &[], now)
+            .await
+    }
+
+    /// Checks the account's quotas and inserts the sandbox with status
+    /// `creating`, atomically: concurrent calls never admit more than the
+    /// limits allow. Refuses with [`StoreError::Quota`] when the account has
+    /// `limits.concurrent` live sandboxes, or created `limits.creates_per_hour`
+    /// sandboxes in the last hour (including ones since deleted or failed).
+    ///
+    /// Attaches `volumes` (the account's, by name) in the same transaction:
+    /// [`StoreError::NotFound`] for a volume the account does not have,
+    /// [`StoreError::Conflict`] for one on another host than `new.host` or
+    /// held in a way this attachment cannot share (one writer, or any
+    /// number of readers). Nothing is written on any refusal.
+    pub async fn admit_sandbox_with_volumes(
+        &self,
+        account: &Account,
+        new: &NewSandbox,
+        limits: &TierLimits,
+        volumes: &[VolumeRequest],
+        now: f64,
+    ) -> Result<SandboxRow> {
+        let (begin, lock) = admission_lock(self);
+        let by_name = crate::volumes::by_name();
         let metadata = row::metadata_to_json(&new.metadata);
         on_writer!(self, pool => {
             let mut tx = pool.begin_with(begin).await?;
@@ -169,6 +195,53 @@ impl Store {
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "sandbox", &new.id))?;
+            for request in volumes {
+                let found = sqlx::query(&by_name)
+                    .bind(account.id)
+                    .bind(&request.name)
+                    .fetch_optional(&mut *tx)
+                    .await?
+                    .ok_or_else(|| StoreError::NotFound {
+                        message: format!("volume not found: {}", request.name),
+                    })?;
+                let (volume_id, volume) = crate::volumes::volume(&found)?;
+                if new.host.as_deref() != Some(volume.host.as_str()) {
+                    return Err(StoreError::Conflict {
+                        message: format!(
+                            "volume {} lives on host {}, not on {}",
+                            request.name,
+                            volume.host,
+                            new.host.as_deref().unwrap_or("this host")
+                        ),
+                    });
+                }
+                let held = sqlx::query(crate::volumes::ATTACHMENTS)
+                    .bind(volume_id)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let mut holders = Vec::new();
+                for row in &held {
+                    let read_only = row.boolean("read_only")?;
+                    if !request.read_only || !read_only {
+                        holders.push(row.text("sandbox_id")?);
+                    }
+                }
+                if !holders.is_empty() {
+                    return Err(StoreError::Conflict {
+                        message: format!(
+                            "volume in use: {} is attached to {}",
+                            request.name,
+                            holders.join(", ")
+                        ),
+                    });
+                }
+                sqlx::query(crate::volumes::ATTACH)
+                    .bind(volume_id)
+                    .bind(&new.id)
+                    .bind(request.read_only)
+                    .execute(&mut *tx)
+                    .await?;
+            }
             tx.commit().await?;
         });
         Ok(SandboxRow {

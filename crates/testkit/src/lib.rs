@@ -158,9 +158,20 @@ pub fn processes_mentioning(needle: &str) -> Vec<u32> {
 /// A new team-tier API token for `account`, made by `shoal token create`
 /// (`shoal` is the binary under test) on `database_url`.
 pub fn api_token(shoal: &Path, database_url: &str, account: &str, state: Option<&Path>) -> String {
+    api_token_of_tier(shoal, database_url, account, "team", state)
+}
+
+/// [`api_token`] for an account of `tier` (free, pro or team).
+pub fn api_token_of_tier(
+    shoal: &Path,
+    database_url: &str,
+    account: &str,
+    tier: &str,
+    state: Option<&Path>,
+) -> String {
     let mut command = std::process::Command::new(shoal);
     command
-        .args(["token", "create", "--account", account, "--tier", "team"])
+        .args(["token", "create", "--account", account, "--tier", tier])
         .args(["--database-url", database_url]);
     if let Some(state) = state {
         command.arg("--state-dir").arg(state);
