@@ -15,12 +15,10 @@
 
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
+use shoal_testkit::Database;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The two variants take turns: each needs the cores for its own VMs.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Small, so that the test sees hibernation soon; long enough for the
 /// requests made while the app is meant to be awake.
 const IDLE_SECONDS: u64 = 6;
@@ -533,33 +531,16 @@ async fn apps_deploy_hibernate_wake_and_wait_for_capacity(database_url: &str, st
 
 #[test]
 fn apps_on_sqlite() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let db = shoal_testkit::TestDb::sqlite().await;
-        apps_deploy_hibernate_wake_and_wait_for_capacity(
-            &db.url,
-            shoal_testkit::state_dir("vm_apps_sqlite"),
-        )
-        .await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_apps_sqlite",
+        |url, state| async move { apps_deploy_hibernate_wake_and_wait_for_capacity(&url, state).await },
+    );
 }
 
 #[test]
 fn apps_on_postgres() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let Some(db) = shoal_testkit::TestDb::postgres().await else {
-            eprintln!(
-                "skipped: SHOAL_TEST_DATABASE_URL is not set (run under scripts/with-postgres)"
-            );
-            return;
-        };
-        apps_deploy_hibernate_wake_and_wait_for_capacity(
-            &db.url,
-            shoal_testkit::state_dir("vm_apps_pg"),
-        )
-        .await;
-        db.cleanup().await;
+    shoal_testkit::with_database(Database::Postgres, "vm_apps_pg", |url, state| async move {
+        apps_deploy_hibernate_wake_and_wait_for_capacity(&url, state).await
     });
 }

@@ -14,11 +14,10 @@
 //! process group and is stopped by its id.
 
 use serde_json::Value;
+use shoal_testkit::Database;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const ARRAY_SCRIPT: &str = r#"#!/bin/bash
 #SBATCH --job-name=sim
@@ -455,25 +454,18 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
 
 #[test]
 fn slurm_scripts_run_unchanged_on_sqlite() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let db = shoal_testkit::TestDb::sqlite().await;
-        slurm_scripts_run_unchanged(&db.url, shoal_testkit::state_dir("vm_sbatch_sqlite")).await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_sbatch_sqlite",
+        |url, state| async move { slurm_scripts_run_unchanged(&url, state).await },
+    );
 }
 
 #[test]
 fn slurm_scripts_run_unchanged_on_postgres() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let Some(db) = shoal_testkit::TestDb::postgres().await else {
-            eprintln!(
-                "skipped: SHOAL_TEST_DATABASE_URL is not set (run under scripts/with-postgres)"
-            );
-            return;
-        };
-        slurm_scripts_run_unchanged(&db.url, shoal_testkit::state_dir("vm_sbatch_pg")).await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Postgres,
+        "vm_sbatch_pg",
+        |url, state| async move { slurm_scripts_run_unchanged(&url, state).await },
+    );
 }

@@ -11,12 +11,11 @@
 //! `shoal up` runs in its own process group and is stopped by its id.
 
 use serde_json::{json, Value};
+use shoal_testkit::Database;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const CELLS: usize = 8;
-/// The two variants take turns: each needs the cores for its own timeline.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const THROTTLE: usize = 2;
 
 struct Client {
@@ -190,22 +189,18 @@ async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
 
 #[test]
 fn a_sweep_survives_sigkill_of_the_control_plane_on_sqlite() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let db = shoal_testkit::TestDb::sqlite().await;
-        sweep_survives_a_sigkill(&db.url, shoal_testkit::state_dir("vm_sweep_crash_sqlite")).await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_sweep_crash_sqlite",
+        |url, state| async move { sweep_survives_a_sigkill(&url, state).await },
+    );
 }
 
 #[test]
 fn a_sweep_survives_sigkill_of_the_control_plane_on_postgres() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let Some(db) = shoal_testkit::TestDb::postgres().await else {
-            return;
-        };
-        sweep_survives_a_sigkill(&db.url, shoal_testkit::state_dir("vm_sweep_crash_pg")).await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Postgres,
+        "vm_sweep_crash_pg",
+        |url, state| async move { sweep_survives_a_sigkill(&url, state).await },
+    );
 }

@@ -295,3 +295,35 @@ impl TestDb {
         }
     }
 }
+
+/// Which database a test variant runs on (see [`with_database`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Database {
+    Sqlite,
+    /// Skipped (with a message) when `SHOAL_TEST_DATABASE_URL` is not set.
+    Postgres,
+}
+
+/// Runs one variant of a test: `body(database_url, state_dir)` on a fresh
+/// `database` and a fresh-named [`state_dir`] (`state`), then removes the
+/// database. The variants of a test binary take turns (each wants the
+/// cores for its own VMs), even when the harness runs tests in parallel.
+pub fn with_database<F, Fut>(database: Database, state: &str, body: F)
+where
+    F: FnOnce(String, PathBuf) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    block_on(async {
+        let db = match database {
+            Database::Sqlite => TestDb::sqlite().await,
+            Database::Postgres => match TestDb::postgres().await {
+                Some(db) => db,
+                None => return,
+            },
+        };
+        body(db.url.clone(), state_dir(state)).await;
+        db.cleanup().await;
+    });
+}

@@ -249,11 +249,7 @@ impl ShoalUp {
         let url = format!("{}/healthz", self.base);
         let deadline = Instant::now() + self.config.ready_within;
         loop {
-            let answer = http
-                .get(&url)
-                .timeout(Duration::from_secs(10))
-                .send()
-                .await;
+            let answer = http.get(&url).timeout(Duration::from_secs(10)).send().await;
             if answer.is_ok_and(|r| r.status().is_success()) {
                 return;
             }
