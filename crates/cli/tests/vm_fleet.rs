@@ -19,8 +19,9 @@
 
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const HOSTS: usize = 3;

@@ -297,7 +297,7 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
     );
     assert!(max_running <= 3, "more than 3 tasks ran at once");
 
-    let templates: Value = http
+    let templates: Value = reqwest::Client::new()
         .get(format!("{}/v1/templates", user.api))
         .bearer_auth(&user.token)
         .send()
