@@ -15,13 +15,10 @@
 
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use std::os::unix::process::CommandExt;
+use shoal_testkit::Database;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The two variants take turns: each needs the cores for its own VMs.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Small, so that the test sees hibernation soon; long enough for the
 /// requests made while the app is meant to be awake.
 const IDLE_SECONDS: u64 = 6;
@@ -29,52 +26,6 @@ const IDLE_SECONDS: u64 = 6;
 /// in a directory of its own, served by python's http.server.
 const WEB: &str = "mkdir -p /srv/web && cd /srv/web && echo \"$GREETING\" > greeting.txt \
                    && exec python3 -m http.server 8000";
-
-struct Up {
-    child: Child,
-    base: String,
-}
-
-impl Up {
-    fn start(state: &Path, database_url: &str) -> Up {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log = std::fs::File::create(state.join("up.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_shoal"))
-            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--state-dir")
-            .arg(state)
-            .arg("--cache-dir")
-            .arg(shoal_testkit::cache_dir())
-            .arg("--guest-agent")
-            .arg(shoal_testkit::guest_agent())
-            .args(["--database-url", database_url])
-            .args(["--max-sandboxes", "1"])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .process_group(0)
-            .spawn()
-            .expect("starting shoal up");
-        Up {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-        }
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            // SAFETY: kill(2) on the process group of a child we spawned.
-            unsafe { libc_kill(-(self.child.id() as i32), 15) };
-            let _ = self.child.wait();
-        }
-    }
-}
 
 struct Client {
     http: reqwest::Client,
@@ -174,21 +125,6 @@ impl Client {
             _ => answer.json["status"].as_str().unwrap().to_owned(),
         }
     }
-}
-
-async fn wait_healthy(base: &str) {
-    let http = reqwest::Client::new();
-    let ready = shoal_testkit::wait_until(Duration::from_secs(300), || {
-        let http = http.clone();
-        async move {
-            http.get(format!("{base}/healthz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        }
-    })
-    .await;
-    assert!(ready, "shoal up did not answer /healthz");
 }
 
 /// QEMU processes of sandbox `id` under `state`.
@@ -346,17 +282,16 @@ async fn sandbox_proxy_reaches_a_guest_server(client: &Client) {
 async fn apps_deploy_hibernate_wake_and_wait_for_capacity(database_url: &str, state: PathBuf) {
     let _ = std::fs::remove_dir_all(&state);
     std::fs::create_dir_all(&state).unwrap();
-    let up = Up::start(&state, database_url);
-    wait_healthy(&up.base).await;
+    let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+        .database_url(database_url)
+        .args(["--max-sandboxes", "1"])
+        .env("RUST_LOG", "info")
+        .start()
+        .await;
     let client = Client {
         http: reqwest::Client::new(),
-        base: up.base.clone(),
-        token: shoal_testkit::api_token(
-            Path::new(env!("CARGO_BIN_EXE_shoal")),
-            database_url,
-            "apps",
-            Some(&state),
-        ),
+        base: up.base().to_owned(),
+        token: up.token("apps"),
     };
 
     bad_input_makes_nothing(&client).await;
@@ -596,38 +531,16 @@ async fn apps_deploy_hibernate_wake_and_wait_for_capacity(database_url: &str, st
 
 #[test]
 fn apps_on_sqlite() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let db = shoal_testkit::TestDb::sqlite().await;
-        apps_deploy_hibernate_wake_and_wait_for_capacity(
-            &db.url,
-            shoal_testkit::state_dir("vm_apps_sqlite"),
-        )
-        .await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_apps_sqlite",
+        |url, state| async move { apps_deploy_hibernate_wake_and_wait_for_capacity(&url, state).await },
+    );
 }
 
 #[test]
 fn apps_on_postgres() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let Some(db) = shoal_testkit::TestDb::postgres().await else {
-            eprintln!(
-                "skipped: SHOAL_TEST_DATABASE_URL is not set (run under scripts/with-postgres)"
-            );
-            return;
-        };
-        apps_deploy_hibernate_wake_and_wait_for_capacity(
-            &db.url,
-            shoal_testkit::state_dir("vm_apps_pg"),
-        )
-        .await;
-        db.cleanup().await;
+    shoal_testkit::with_database(Database::Postgres, "vm_apps_pg", |url, state| async move {
+        apps_deploy_hibernate_wake_and_wait_for_capacity(&url, state).await
     });
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
 }

@@ -55,8 +55,7 @@ fn leftovers_of_a_sigkilled_host_are_reaped_at_start() {
     );
 
     // SIGKILL the holder only (its own group; QEMU runs in groups of its own).
-    // SAFETY: kill(2) on the child we spawned.
-    unsafe { libc_kill(holder.id() as i32, 9) };
+    shoal_testkit::signal_pid(holder.id(), shoal_testkit::SIGKILL);
     let _ = holder.wait();
     for pid in &pids {
         assert!(
@@ -81,10 +80,7 @@ fn leftovers_of_a_sigkilled_host_are_reaped_at_start() {
     );
     assert!(started.elapsed() < Duration::from_secs(30));
     for pid in &pids {
-        let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| !s.contains(") Z "))
-            .unwrap_or(false);
-        assert!(!alive, "QEMU {pid} was not reaped");
+        assert!(!shoal_testkit::alive(*pid), "QEMU {pid} was not reaped");
     }
     assert!(shoal_testkit::processes_mentioning(&state.display().to_string()).is_empty());
     assert!(
@@ -96,9 +92,4 @@ fn leftovers_of_a_sigkilled_host_are_reaped_at_start() {
         "fork captures left"
     );
     let _ = std::fs::remove_dir_all(&state);
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
 }

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const HOSTS: usize = 3;
@@ -111,37 +111,6 @@ impl Drop for Network {
     }
 }
 
-/// A process of the test's, in its own process group, stopped by id.
-struct Process(Child);
-
-impl Process {
-    fn spawn(command: &mut Command, log: &Path) -> Process {
-        let log = std::fs::File::create(log).unwrap();
-        Process(
-            command
-                .stdout(Stdio::null())
-                .stderr(log)
-                .process_group(0)
-                .spawn()
-                .expect("spawning"),
-        )
-    }
-
-    fn signal(&mut self, signal: i32) {
-        // SAFETY: kill(2) on the process group of a child we spawned.
-        unsafe { libc_kill(-(self.0.id() as i32), signal) };
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            self.signal(15);
-        }
-    }
-}
-
 /// Relays TCP connections from the bridge to PostgreSQL on 127.0.0.1: the
 /// agents in their namespaces cannot reach the host's loopback.
 async fn relay(listen: &str, to: String) -> u16 {
@@ -161,14 +130,6 @@ async fn relay(listen: &str, to: String) -> u16 {
         }
     });
     port
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `postgres://user@host:port/db` → (`host:port`, the URL with another
@@ -260,9 +221,9 @@ fn three_hosts_spread_lose_one_and_fill_up() {
 
         // The schema exists before anyone reads it.
         let store = shoal_store::Store::connect(&db.url).await.unwrap();
-        let front_port = free_port();
+        let front_port = shoal_testkit::free_port();
         let front_url = format!("http://{gateway}:{front_port}");
-        let _front = Process::spawn(
+        let _front = shoal_testkit::Process::spawn(
             Command::new(shoal)
                 .args([
                     "server",
@@ -275,10 +236,10 @@ fn three_hosts_spread_lose_one_and_fill_up() {
                 .args(["--agent-database-url", &agent_db]),
             &work.join("server.log"),
         );
-        let mut agents: Vec<Process> = (0..HOSTS)
+        let mut agents: Vec<shoal_testkit::Process> = (0..HOSTS)
             .map(|n| {
                 let state = work.join(format!("host-{n}"));
-                Process::spawn(
+                shoal_testkit::Process::spawn(
                     Command::new("ip")
                         .args(["netns", "exec", &network.namespaces[n], shoal, "agent"])
                         .args(["--control-plane", &front_url, "--fleet-token", FLEET_TOKEN])
@@ -410,7 +371,7 @@ fn three_hosts_spread_lose_one_and_fill_up() {
         for id in &survivors {
             before.push(store.sandbox_by_id(id).await.unwrap().unwrap());
         }
-        agents[0].signal(9);
+        agents[0].signal(shoal_testkit::SIGKILL);
         let killed = Instant::now();
         let all_lost = shoal_testkit::wait_until(Duration::from_secs(40), || async {
             for id in &lost_ids {
@@ -533,12 +494,11 @@ fn three_hosts_spread_lose_one_and_fill_up() {
         eprintln!("FIGURE sdk retry: {report}");
 
         for agent in agents.iter_mut().skip(1) {
-            agent.signal(15);
+            agent.signal(shoal_testkit::SIGTERM);
         }
         // host-0's VMs outlived its agent: they are the test's to stop.
         for pid in shoal_testkit::processes_mentioning(&work.join("host-0").display().to_string()) {
-            // SAFETY: kill(2) on a QEMU process the killed agent started.
-            unsafe { libc_kill(pid as i32, 9) };
+            shoal_testkit::signal_pid(pid, shoal_testkit::SIGKILL);
         }
         drop(agents);
         store.close().await;
@@ -561,8 +521,3 @@ assert sandbox.exec("echo ok").stdout == "ok\n"
 print(json.dumps({"id": sandbox.id, "retries": len(retries), "statuses": [r.status_code for r in retries]}))
 sandbox.kill()
 "#;
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
-}

@@ -14,12 +14,10 @@
 //! process group and is stopped by its id.
 
 use serde_json::Value;
-use std::os::unix::process::CommandExt;
+use shoal_testkit::Database;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 const ARRAY_SCRIPT: &str = r#"#!/bin/bash
 #SBATCH --job-name=sim
@@ -58,58 +56,6 @@ const LONG_SCRIPT: &str = r#"#!/bin/bash
 echo "long $SLURM_ARRAY_TASK_ID started"
 sleep 600
 "#;
-
-struct Up {
-    child: Child,
-    base: String,
-}
-
-impl Up {
-    fn start(state: &Path, database_url: &str) -> Up {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new(env!("CARGO_BIN_EXE_shoal"))
-            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--state-dir")
-            .arg(state)
-            .arg("--cache-dir")
-            .arg(shoal_testkit::cache_dir())
-            .arg("--guest-agent")
-            .arg(shoal_testkit::guest_agent())
-            .args(["--database-url", database_url])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .expect("starting shoal up");
-        Up {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-        }
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            // SAFETY: kill(2) on the process group of a child we spawned.
-            unsafe { libc_kill(-(self.child.id() as i32), 15) };
-            let _ = self.child.wait();
-        }
-    }
-}
-
-fn token(database_url: &str, state: &Path) -> String {
-    shoal_testkit::api_token(
-        Path::new(env!("CARGO_BIN_EXE_shoal")),
-        database_url,
-        "slurm",
-        Some(state),
-    )
-}
 
 /// Runs `shoal <args>` as a Slurm user would, in `dir`, with the API in
 /// the environment.
@@ -251,27 +197,16 @@ async fn sweeps_of(api: &str, token: &str) -> Vec<Value> {
 async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
     let _ = std::fs::remove_dir_all(&state);
     std::fs::create_dir_all(&state).unwrap();
-    let up = Up::start(&state, database_url);
-    let http = reqwest::Client::new();
-    let base = up.base.clone();
-    let ready = shoal_testkit::wait_until(Duration::from_secs(300), || {
-        let http = http.clone();
-        let base = base.clone();
-        async move {
-            http.get(format!("{base}/healthz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        }
-    })
-    .await;
-    assert!(ready, "shoal up did not answer /healthz");
+    let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+        .database_url(database_url)
+        .start()
+        .await;
     let submit = state.join("submit");
     std::fs::create_dir_all(&submit).unwrap();
     let user = User {
         dir: submit.clone(),
-        api: up.base.clone(),
-        token: token(database_url, &state),
+        api: up.base().to_owned(),
+        token: up.token("slurm"),
     };
 
     // Refusals: a message that says why, a failure, and nothing created.
@@ -362,7 +297,7 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
     );
     assert!(max_running <= 3, "more than 3 tasks ran at once");
 
-    let templates: Value = http
+    let templates: Value = reqwest::Client::new()
         .get(format!("{}/v1/templates", user.api))
         .bearer_auth(&user.token)
         .send()
@@ -519,30 +454,18 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
 
 #[test]
 fn slurm_scripts_run_unchanged_on_sqlite() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let db = shoal_testkit::TestDb::sqlite().await;
-        slurm_scripts_run_unchanged(&db.url, shoal_testkit::state_dir("vm_sbatch_sqlite")).await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_sbatch_sqlite",
+        |url, state| async move { slurm_scripts_run_unchanged(&url, state).await },
+    );
 }
 
 #[test]
 fn slurm_scripts_run_unchanged_on_postgres() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let Some(db) = shoal_testkit::TestDb::postgres().await else {
-            eprintln!(
-                "skipped: SHOAL_TEST_DATABASE_URL is not set (run under scripts/with-postgres)"
-            );
-            return;
-        };
-        slurm_scripts_run_unchanged(&db.url, shoal_testkit::state_dir("vm_sbatch_pg")).await;
-        db.cleanup().await;
-    });
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
+    shoal_testkit::with_database(
+        Database::Postgres,
+        "vm_sbatch_pg",
+        |url, state| async move { slurm_scripts_run_unchanged(&url, state).await },
+    );
 }

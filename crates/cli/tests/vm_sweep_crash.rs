@@ -11,66 +11,12 @@
 //! `shoal up` runs in its own process group and is stopped by its id.
 
 use serde_json::{json, Value};
-use std::os::unix::process::CommandExt;
+use shoal_testkit::Database;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const CELLS: usize = 8;
-/// The two variants take turns: each needs the cores for its own timeline.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const THROTTLE: usize = 2;
-
-struct Up {
-    child: Child,
-    base: String,
-}
-
-impl Up {
-    fn start(state: &Path, database_url: &str) -> Up {
-        let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_shoal"))
-            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--state-dir")
-            .arg(state)
-            .arg("--cache-dir")
-            .arg(shoal_testkit::cache_dir())
-            .arg("--guest-agent")
-            .arg(shoal_testkit::guest_agent())
-            .args(["--database-url", database_url])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .expect("starting shoal up");
-        Up {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-        }
-    }
-
-    fn signal(&mut self, signal: i32) {
-        // SAFETY: kill(2) on the process group of a child we spawned.
-        unsafe { libc_kill(-(self.child.id() as i32), signal) };
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            self.signal(15);
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Client {
     http: reqwest::Client,
@@ -99,48 +45,22 @@ impl Client {
     }
 }
 
-async fn wait_healthy(base: &str) {
-    let http = reqwest::Client::new();
-    let ready = shoal_testkit::wait_until(Duration::from_secs(300), || {
-        let http = http.clone();
-        async move {
-            http.get(format!("{base}/healthz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        }
-    })
-    .await;
-    assert!(ready, "shoal up did not answer /healthz");
-}
-
-fn token(database_url: &str, state: &Path) -> String {
-    shoal_testkit::api_token(
-        Path::new(env!("CARGO_BIN_EXE_shoal")),
-        database_url,
-        "crash",
-        Some(state),
-    )
-}
-
 /// The QEMU processes running out of `state`.
 fn vms_of(state: &Path) -> Vec<u32> {
     shoal_testkit::processes_mentioning(&state.join("vms").display().to_string())
 }
 
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
-}
-
 async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
     let _ = std::fs::remove_dir_all(&state);
     std::fs::create_dir_all(&state).unwrap();
-    let mut up = Up::start(&state, database_url);
-    wait_healthy(&up.base).await;
+    let mut up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+        .database_url(database_url)
+        .start()
+        .await;
     let client = Client {
         http: reqwest::Client::new(),
-        base: up.base.clone(),
-        token: token(database_url, &state),
+        base: up.base().to_owned(),
+        token: up.token("crash"),
     };
     let sweep = client
         .call(
@@ -175,10 +95,10 @@ async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let orphans = vms_of(&state);
-    up.signal(9);
+    up.signal(shoal_testkit::SIGKILL);
     assert!(!orphans.is_empty(), "no VM was running at the kill");
     assert!(
-        orphans.iter().any(|pid| alive(*pid)),
+        orphans.iter().any(|pid| shoal_testkit::alive(*pid)),
         "the VMs died with the control plane; there is nothing to recover from"
     );
     let cells_before = before["cells"].as_array().unwrap().clone();
@@ -192,15 +112,14 @@ async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
         .collect();
 
     // A new life on the same database and state directory.
-    let up = Up::start(&state, database_url);
-    wait_healthy(&up.base).await;
+    up.restart().await;
     let client = Client {
-        base: up.base.clone(),
+        base: up.base().to_owned(),
         ..client
     };
     for pid in &orphans {
         assert!(
-            !alive(*pid),
+            !shoal_testkit::alive(*pid),
             "QEMU {pid} of the killed control plane was not reaped"
         );
     }
@@ -270,27 +189,18 @@ async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
 
 #[test]
 fn a_sweep_survives_sigkill_of_the_control_plane_on_sqlite() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let db = shoal_testkit::TestDb::sqlite().await;
-        sweep_survives_a_sigkill(&db.url, shoal_testkit::state_dir("vm_sweep_crash_sqlite")).await;
-        db.cleanup().await;
-    });
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_sweep_crash_sqlite",
+        |url, state| async move { sweep_survives_a_sigkill(&url, state).await },
+    );
 }
 
 #[test]
 fn a_sweep_survives_sigkill_of_the_control_plane_on_postgres() {
-    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    shoal_testkit::block_on(async {
-        let Some(db) = shoal_testkit::TestDb::postgres().await else {
-            return;
-        };
-        sweep_survives_a_sigkill(&db.url, shoal_testkit::state_dir("vm_sweep_crash_pg")).await;
-        db.cleanup().await;
-    });
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
+    shoal_testkit::with_database(
+        Database::Postgres,
+        "vm_sweep_crash_pg",
+        |url, state| async move { sweep_survives_a_sigkill(&url, state).await },
+    );
 }

@@ -12,54 +12,8 @@
 //! `shoal up` runs in its own process group and is stopped by its id.
 
 use serde_json::{json, Value};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-
-struct Up {
-    child: Child,
-    base: String,
-}
-
-impl Up {
-    fn start(state: &Path) -> Up {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log = std::fs::File::create(state.with_extension("log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_shoal"))
-            .args(["up", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--state-dir")
-            .arg(state)
-            .arg("--cache-dir")
-            .arg(shoal_testkit::cache_dir())
-            .arg("--guest-agent")
-            .arg(shoal_testkit::guest_agent())
-            .args(["--memory-reserve-mib", "0"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .process_group(0)
-            .spawn()
-            .expect("starting shoal up");
-        Up {
-            child,
-            base: format!("http://127.0.0.1:{port}"),
-        }
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            // SAFETY: kill(2) on the process group of a child we spawned.
-            unsafe { libc_kill(-(self.child.id() as i32), 15) };
-            let _ = self.child.wait();
-        }
-    }
-}
 
 struct Api {
     http: reqwest::Client,
@@ -155,21 +109,17 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         let state = shoal_testkit::state_dir("vm_volumes");
         let _ = std::fs::remove_dir_all(&state);
         std::fs::create_dir_all(&state).unwrap();
-        let up = Up::start(&state);
-        let database_url = format!("sqlite:{}", state.join("shoal.db").display());
+        // SQLite in the state directory, the product's default database.
+        let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+            .args(["--memory-reserve-mib", "0"])
+            .ready_within(Duration::from_secs(900))
+            .start()
+            .await;
         let http = reqwest::Client::new();
-        let healthy = shoal_testkit::wait_until(Duration::from_secs(900), || {
-            let url = format!("{}/healthz", up.base);
-            let http = http.clone();
-            async move { http.get(&url).send().await.is_ok() }
-        })
-        .await;
-        assert!(healthy, "shoal up did not start");
-        let shoal = Path::new(env!("CARGO_BIN_EXE_shoal"));
         let api = Api {
             http: http.clone(),
-            base: up.base.clone(),
-            token: shoal_testkit::api_token(shoal, &database_url, "team", Some(&state)),
+            base: up.base().to_owned(),
+            token: up.token("team"),
         };
 
         // Create: validation, then the image.
@@ -331,14 +281,8 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         // The free tier: one volume of at most 1 GiB.
         let free = Api {
             http,
-            base: up.base.clone(),
-            token: shoal_testkit::api_token_of_tier(
-                shoal,
-                &database_url,
-                "free",
-                "free",
-                Some(&state),
-            ),
+            base: up.base().to_owned(),
+            token: up.token_of_tier("free", "free"),
         };
         let (_, me) = free.get("/v1/me").await;
         assert_eq!(me["limits"]["max_volumes"], 1);
@@ -367,9 +311,4 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         assert_eq!(free.delete("/v1/volumes/first").await, 204);
         assert!(images(&state).is_empty(), "{:?}", images(&state));
     });
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
 }

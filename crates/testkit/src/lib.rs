@@ -4,9 +4,13 @@
 //! single test), one engine per test binary on a fixed state directory (so a
 //! crashed run's leftovers are reaped by the next), the guest agent build,
 //! templates built once into the shared cache, `wait_until`, and leak
-//! checks, and throwaway databases (SQLite, or PostgreSQL from
-//! `SHOAL_TEST_DATABASE_URL`). Holds no assertions about product behaviour:
-//! tests do.
+//! checks, throwaway databases (SQLite, or PostgreSQL from
+//! `SHOAL_TEST_DATABASE_URL`), API tokens, and the processes a test starts
+//! (a real `shoal up` among them: [`process`]). Holds no assertions about
+//! product behaviour: tests do.
+
+pub mod process;
+pub use process::{alive, free_port, signal_pid, Process, ShoalUp, UpConfig, SIGKILL, SIGTERM};
 
 use shoal_engine::{Engine, EngineConfig};
 use std::path::{Path, PathBuf};
@@ -142,10 +146,7 @@ pub fn processes_mentioning(needle: &str) -> Vec<u32> {
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|&pid| pid != std::process::id())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            !stat.contains(") Z ")
-        })
+        .filter(|&pid| alive(pid))
         .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline"))
                 .map(|c| String::from_utf8_lossy(&c).contains(needle))
@@ -154,7 +155,6 @@ pub fn processes_mentioning(needle: &str) -> Vec<u32> {
         .collect()
 }
 
-/// Everything under `dir` (recursively), as paths relative to it.
 /// A new team-tier API token for `account`, made by `shoal token create`
 /// (`shoal` is the binary under test) on `database_url`.
 pub fn api_token(shoal: &Path, database_url: &str, account: &str, state: Option<&Path>) -> String {
@@ -191,6 +191,7 @@ pub fn api_token_of_tier(
         .to_owned()
 }
 
+/// Everything under `dir` (recursively), as paths relative to it.
 pub fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -293,4 +294,36 @@ impl TestDb {
             }
         }
     }
+}
+
+/// Which database a test variant runs on (see [`with_database`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Database {
+    Sqlite,
+    /// Skipped (with a message) when `SHOAL_TEST_DATABASE_URL` is not set.
+    Postgres,
+}
+
+/// Runs one variant of a test: `body(database_url, state_dir)` on a fresh
+/// `database` and a fresh-named [`state_dir`] (`state`), then removes the
+/// database. The variants of a test binary take turns (each wants the
+/// cores for its own VMs), even when the harness runs tests in parallel.
+pub fn with_database<F, Fut>(database: Database, state: &str, body: F)
+where
+    F: FnOnce(String, PathBuf) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _alone = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    block_on(async {
+        let db = match database {
+            Database::Sqlite => TestDb::sqlite().await,
+            Database::Postgres => match TestDb::postgres().await {
+                Some(db) => db,
+                None => return,
+            },
+        };
+        body(db.url.clone(), state_dir(state)).await;
+        db.cleanup().await;
+    });
 }
