@@ -34,6 +34,11 @@ pub struct HostArgs {
     /// for no limit. Default: one per core.
     #[arg(long)]
     pub sweep_max_starting: Option<usize>,
+    /// CPU priority of a sweep's sandbox while its command runs: background
+    /// (SCHED_IDLE, so other sandboxes' starts and collects go first) or
+    /// normal.
+    #[arg(long, default_value = "background")]
+    pub sweep_command_priority: shoal_engine::CpuPriority,
     /// Seconds between idle-reaper passes.
     #[arg(long, default_value_t = 30)]
     pub reap_interval: u64,
@@ -145,6 +150,7 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     if let Some(n) = args.sweep_max_starting {
         config.sweeps.max_starting = n;
     }
+    config.sweeps.command_priority = args.sweep_command_priority;
     let control = ControlPlane::new(store.clone(), host.clone(), config);
     control
         .start_background()

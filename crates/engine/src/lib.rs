@@ -40,6 +40,7 @@ pub mod error;
 pub mod manifest;
 pub mod memory;
 pub mod net;
+pub mod priority;
 pub mod qemu;
 mod reap;
 pub mod vm;
@@ -49,6 +50,7 @@ pub use accel::Accel;
 pub use bake::BakeProgress;
 pub use error::{EngineError, Result};
 pub use manifest::{Kind, Manifest};
+pub use priority::CpuPriority;
 pub use shoal_proto::client::AgentClient;
 pub use vm::VmState;
 pub use volume::VolumeAttachment;
@@ -817,6 +819,18 @@ impl Engine {
         Ok(vm
             .pid()
             .and_then(|pid| process_usage(&self.config.proc_root, pid)))
+    }
+
+    /// Moves every thread of a sandbox's QEMU process to `priority` (see
+    /// [`priority`]). A sandbox without a process (hibernated) has none to
+    /// move.
+    pub fn set_cpu_priority(&self, id: &str, priority: CpuPriority) -> Result<()> {
+        let vm = self.vm(id)?;
+        let Some(pid) = vm.pid() else {
+            return Ok(());
+        };
+        priority::apply(&self.config.proc_root, pid, priority)
+            .io_context(|| format!("setting the CPU priority of sandbox {id}"))
     }
 
     /// Deletes fork and hibernate captures no VM or snapshot still needs.

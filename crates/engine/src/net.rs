@@ -628,8 +628,9 @@ mod tests {
     #[test]
     fn host_table_drops_other_forwarding_only_when_shoal_turned_it_on() {
         let dns = Ipv4Addr::new(10, 255, 255, 53);
-        assert!(host_table(true, dns)
-            .contains("iifname != \"shoalh*\" oifname != \"shoalh*\" drop"));
+        assert!(
+            host_table(true, dns).contains("iifname != \"shoalh*\" oifname != \"shoalh*\" drop")
+        );
         assert!(!host_table(false, dns).contains("iifname != "));
     }
 
@@ -637,13 +638,25 @@ mod tests {
     fn the_dns_upstream_is_the_one_private_address_let_through_and_only_on_port_53() {
         let dns = Ipv4Addr::new(10, 255, 255, 53);
         let host = host_table(false, dns);
-        assert!(host.contains("add element ip shoal dns_upstreams { 10.255.255.53 }"), "{host}");
+        assert!(
+            host.contains("add element ip shoal dns_upstreams { 10.255.255.53 }"),
+            "{host}"
+        );
         let forward = &host[host.rfind("chain forward").unwrap()..];
-        let accept = forward.find("ip daddr @dns_upstreams meta l4proto { tcp, udp } th dport 53 accept");
+        let accept =
+            forward.find("ip daddr @dns_upstreams meta l4proto { tcp, udp } th dport 53 accept");
         let deny = forward.find("ip daddr { 10.0.0.0/8");
-        assert!(accept.is_some() && deny.is_some() && accept < deny, "{host}");
+        assert!(
+            accept.is_some() && deny.is_some() && accept < deny,
+            "{host}"
+        );
         let ns = namespace_table(dns);
-        assert!(ns.contains("ip daddr 10.0.0.1 meta l4proto { tcp, udp } th dport 53 dnat to 10.255.255.53"), "{ns}");
+        assert!(
+            ns.contains(
+                "ip daddr 10.0.0.1 meta l4proto { tcp, udp } th dport 53 dnat to 10.255.255.53"
+            ),
+            "{ns}"
+        );
     }
 
     #[test]
@@ -652,7 +665,13 @@ mod tests {
             first_usable_nameserver("# x\nsearch a\nnameserver 127.0.0.53\nnameserver 10.1.2.3\n"),
             Some(Ipv4Addr::new(10, 1, 2, 3))
         );
-        assert_eq!(first_usable_nameserver("nameserver ::1\nnameserver 127.0.0.1\n"), None);
-        assert_eq!(first_usable_nameserver("nameserver 192.0.2.1 \n"), Some(Ipv4Addr::new(192, 0, 2, 1)));
+        assert_eq!(
+            first_usable_nameserver("nameserver ::1\nnameserver 127.0.0.1\n"),
+            None
+        );
+        assert_eq!(
+            first_usable_nameserver("nameserver 192.0.2.1 \n"),
+            Some(Ipv4Addr::new(192, 0, 2, 1))
+        );
     }
 }

@@ -17,8 +17,8 @@ pub use shoal_engine::net::GUEST_IP;
 pub use shoal_engine::qemu::VOLUME_SLOTS;
 pub use shoal_engine::volume::valid_name as valid_volume_name;
 pub use shoal_engine::{
-    CreateOptions, Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage, VmState,
-    VolumeAttachment,
+    CpuPriority, CreateOptions, Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage,
+    VmState, VolumeAttachment,
 };
 pub use shoal_repl::{CellOutput, ReplError};
 
