@@ -31,7 +31,7 @@ pub struct HostArgs {
     #[arg(long, default_value_t = 1024)]
     pub memory_reserve_mib: u64,
     /// Sweep attempts starting at once (create, files, command start); 0
-    /// for no limit. Default: one per core.
+    /// for no limit. Default: one per two cores.
     #[arg(long)]
     pub sweep_max_starting: Option<usize>,
     /// CPU priority of a sweep's sandbox while its command runs: background
