@@ -488,6 +488,15 @@ async fn cancel_mid_sweep_leaves_no_sandbox(server: &Server) {
     .await;
     assert!(started, "two cells never ran");
     tokio::time::sleep(Duration::from_secs(2)).await;
+    // A running command's sandbox gives the CPU to starts and collects.
+    for sandbox in server.host.engine().list().await {
+        assert_eq!(
+            server.host.engine().cpu_priority(&sandbox.id).unwrap(),
+            Some(shoal_host::CpuPriority::Background),
+            "sandbox {} runs its command at normal priority",
+            sandbox.id
+        );
+    }
     let (status, after) = server
         .post(&format!("/v1/sweeps/{id}/cancel"), json!({"cells": [0]}))
         .await;

@@ -833,6 +833,18 @@ impl Engine {
             .io_context(|| format!("setting the CPU priority of sandbox {id}"))
     }
 
+    /// The CPU priority of a sandbox's QEMU process, or None when it has
+    /// no process.
+    pub fn cpu_priority(&self, id: &str) -> Result<Option<CpuPriority>> {
+        let vm = self.vm(id)?;
+        let Some(pid) = vm.pid() else {
+            return Ok(None);
+        };
+        priority::read(&self.config.proc_root, pid)
+            .map(Some)
+            .io_context(|| format!("reading the CPU priority of sandbox {id}"))
+    }
+
     /// Deletes fork and hibernate captures no VM or snapshot still needs.
     async fn collect_captures(&self) {
         let _gc = self.gc_lock.lock().await;

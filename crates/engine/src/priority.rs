@@ -84,8 +84,30 @@ fn set_thread(tid: i32, priority: CpuPriority) -> io::Result<()> {
     Ok(())
 }
 
-/// The scheduling policy of thread `tid` (for tests).
-pub fn thread_policy(tid: i32) -> io::Result<i32> {
+/// `Background` when every thread of `pid` runs in `SCHED_IDLE`, else
+/// `Normal`.
+pub(crate) fn read(proc_root: &Path, pid: u32) -> io::Result<CpuPriority> {
+    let tasks = proc_root.join(pid.to_string()).join("task");
+    for entry in std::fs::read_dir(&tasks)? {
+        let Some(tid) = entry?
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        match thread_policy(tid) {
+            Ok(policy) if policy == libc::SCHED_IDLE => {}
+            Ok(_) => return Ok(CpuPriority::Normal),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(CpuPriority::Background)
+}
+
+/// The scheduling policy of thread `tid`.
+fn thread_policy(tid: i32) -> io::Result<i32> {
     // SAFETY: plain system call on a thread id.
     let policy = unsafe { libc::sched_getscheduler(tid) };
     if policy < 0 {
@@ -132,7 +154,12 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "no second thread");
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
+        assert_eq!(read(Path::new("/proc"), pid).unwrap(), CpuPriority::Normal);
         apply(Path::new("/proc"), pid, CpuPriority::Background).unwrap();
+        assert_eq!(
+            read(Path::new("/proc"), pid).unwrap(),
+            CpuPriority::Background
+        );
         for tid in threads() {
             assert_eq!(
                 thread_policy(tid).unwrap(),
