@@ -613,10 +613,24 @@ impl Engine {
                 allow_internet: vm.allow_internet,
                 volumes: Vec::new(),
             };
-            self.start_from(child, point.clone(), options).await
+            let started = self.start_from(child, point.clone(), options).await;
+            // A child that answers goes on running the parent's programs;
+            // until every sibling has answered, it takes only the CPU their
+            // restores leave (see `priority`).
+            if let (Ok(info), true) = (&started, count > 1) {
+                let _ = self.set_cpu_priority(&info.id, CpuPriority::Background);
+            }
+            started
         }))
         .await;
         drop(pin);
+        if count > 1 {
+            for child in children.iter().flatten() {
+                if let Err(e) = self.set_cpu_priority(&child.id, CpuPriority::Normal) {
+                    tracing::warn!(sandbox = child.id, error = %error::chain(&e), "a fork child stays in the background");
+                }
+            }
+        }
         let mut out = Vec::new();
         let mut first_error = None;
         for child in children {
