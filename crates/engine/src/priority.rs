@@ -41,18 +41,10 @@ impl std::str::FromStr for CpuPriority {
 /// (I/O workers) at any time, and a new thread inherits its creator's class:
 /// passes repeat until one finds no thread it had not set.
 pub(crate) fn apply(proc_root: &Path, pid: u32, priority: CpuPriority) -> io::Result<()> {
-    let tasks = proc_root.join(pid.to_string()).join("task");
     let mut done = HashSet::new();
     for _ in 0..4 {
         let mut fresh = false;
-        for entry in std::fs::read_dir(&tasks)? {
-            let Some(tid) = entry?
-                .file_name()
-                .to_str()
-                .and_then(|t| t.parse::<i32>().ok())
-            else {
-                continue;
-            };
+        for tid in thread_ids(proc_root, pid)? {
             if !done.insert(tid) {
                 continue;
             }
@@ -71,6 +63,17 @@ pub(crate) fn apply(proc_root: &Path, pid: u32, priority: CpuPriority) -> io::Re
     Ok(())
 }
 
+/// The ids of the threads of `pid`, as `/proc` lists them now.
+fn thread_ids(proc_root: &Path, pid: u32) -> io::Result<Vec<i32>> {
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(proc_root.join(pid.to_string()).join("task"))? {
+        if let Some(tid) = entry?.file_name().to_str().and_then(|t| t.parse().ok()) {
+            ids.push(tid);
+        }
+    }
+    Ok(ids)
+}
+
 fn set_thread(tid: i32, priority: CpuPriority) -> io::Result<()> {
     let policy = match priority {
         CpuPriority::Normal => libc::SCHED_OTHER,
@@ -87,15 +90,7 @@ fn set_thread(tid: i32, priority: CpuPriority) -> io::Result<()> {
 /// `Background` when every thread of `pid` runs in `SCHED_IDLE`, else
 /// `Normal`.
 pub(crate) fn read(proc_root: &Path, pid: u32) -> io::Result<CpuPriority> {
-    let tasks = proc_root.join(pid.to_string()).join("task");
-    for entry in std::fs::read_dir(&tasks)? {
-        let Some(tid) = entry?
-            .file_name()
-            .to_str()
-            .and_then(|t| t.parse::<i32>().ok())
-        else {
-            continue;
-        };
+    for tid in thread_ids(proc_root, pid)? {
         match thread_policy(tid) {
             Ok(policy) if policy == libc::SCHED_IDLE => {}
             Ok(_) => return Ok(CpuPriority::Normal),
@@ -142,13 +137,7 @@ mod tests {
             .spawn()
             .expect("python3");
         let pid = child.id();
-        let tasks = Path::new("/proc").join(pid.to_string()).join("task");
-        let threads = || -> Vec<i32> {
-            std::fs::read_dir(&tasks)
-                .unwrap()
-                .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-                .collect()
-        };
+        let threads = || thread_ids(Path::new("/proc"), pid).unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while threads().len() < 2 {
             assert!(std::time::Instant::now() < deadline, "no second thread");
