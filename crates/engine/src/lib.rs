@@ -781,6 +781,9 @@ impl Engine {
                 }
             }
             if let Some(mut live) = inner.live.take() {
+                // A dying process still needs CPU to free its memory: in
+                // the background that waits behind every busy guest.
+                let _ = priority::apply(&self.config.proc_root, live.pid, CpuPriority::Normal);
                 vm::kill_process_group(live.pid);
                 let _ = live.child.wait().await;
             }

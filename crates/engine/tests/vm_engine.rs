@@ -438,3 +438,59 @@ fn fifty_create_delete_cycles_leave_nothing() {
         }
     });
 }
+
+/// A sandbox moves to the background and back with every thread of its
+/// QEMU process, still answers there, and a background sandbox is killed
+/// as cleanly as any other.
+#[test]
+fn cpu_priority_moves_a_sandbox_and_back() {
+    use shoal_engine::CpuPriority;
+    block_on(async {
+        let sandbox = Sandbox::create().await;
+        let engine = engine();
+        assert_eq!(
+            engine.cpu_priority(&sandbox.id).unwrap(),
+            Some(CpuPriority::Normal)
+        );
+        engine
+            .set_cpu_priority(&sandbox.id, CpuPriority::Background)
+            .unwrap();
+        assert_eq!(
+            engine.cpu_priority(&sandbox.id).unwrap(),
+            Some(CpuPriority::Background)
+        );
+        assert_eq!(stdout(&sandbox.agent().await, "echo up").await, "up");
+        engine
+            .set_cpu_priority(&sandbox.id, CpuPriority::Normal)
+            .unwrap();
+        assert_eq!(
+            engine.cpu_priority(&sandbox.id).unwrap(),
+            Some(CpuPriority::Normal)
+        );
+
+        let other = Sandbox::create().await;
+        engine
+            .set_cpu_priority(&other.id, CpuPriority::Background)
+            .unwrap();
+        let pid = engine
+            .list()
+            .await
+            .into_iter()
+            .find(|s| s.id == other.id)
+            .and_then(|s| s.pid)
+            .expect("a running sandbox has a QEMU process");
+        engine.kill(&other.id).await.unwrap();
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "QEMU {pid} survived its kill"
+        );
+        assert!(matches!(
+            engine.cpu_priority(&other.id),
+            Err(EngineError::NoSuchSandbox(_))
+        ));
+        assert!(matches!(
+            engine.set_cpu_priority("sb-000000000000", CpuPriority::Normal),
+            Err(EngineError::NoSuchSandbox(_))
+        ));
+    })
+}
