@@ -945,11 +945,8 @@ async fn follow_sandbox(cp: &Arc<ControlPlane>, app: &AppRow) {
         app.state.status.as_str(),
         sandbox_status(cp, app).await.as_deref(),
     ) {
-        (app_status::RUNNING, Some("running")) => {
-            if is_idle(cp, app) {
-                hibernate(cp, app).await;
-            }
-        }
+        (app_status::RUNNING, Some("running")) if is_idle(cp, app) => hibernate(cp, app).await,
+        (app_status::RUNNING, Some("running")) => {}
         (app_status::RUNNING, Some("hibernated")) => {
             let state = AppState {
                 status: app_status::HIBERNATED.into(),
