@@ -41,6 +41,7 @@ use shoal_store::{
     SweepState,
 };
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -536,14 +537,17 @@ async fn run_attempt(
     cp.runner.clear_backoff();
     timings.create = ms(started);
     // Where the cell runs, visible while it runs (squeue's NODELIST). Not
-    // worth failing the attempt over: the outcome records it again.
-    if let Err(e) = cp
-        .store
-        .set_cell_sandbox(&claim.sweep_id, claim.idx, &claim.claim_id, &sandbox)
-        .await
-    {
-        tracing::warn!(error = %e, "recording a cell's sandbox");
-    }
+    // worth failing the attempt over: the outcome records it again. Written
+    // while the sandbox is prepared, off the start's path.
+    let recording = async {
+        if let Err(e) = cp
+            .store
+            .set_cell_sandbox(&claim.sweep_id, claim.idx, &claim.claim_id, &sandbox)
+            .await
+        {
+            tracing::warn!(error = %e, "recording a cell's sandbox");
+        }
+    };
     // From here on the sandbox exists: whatever happens, it is deleted.
     let guard = SandboxGuard {
         cp: cp.clone(),
@@ -556,12 +560,17 @@ async fn run_attempt(
     let mut stderr = Tail::default();
     let mut run_started = None;
     let ran = match cp.host.engine().agent(&sandbox).await {
-        Err(e) => Ran::SandboxLost(format!("guest agent: {e}")),
+        Err(e) => {
+            recording.await;
+            Ran::SandboxLost(format!("guest agent: {e}"))
+        }
         Ok(agent) => {
             let forked = sweep.fork_from.is_some();
-            match prepare(&agent, info, forked).await {
+            let ((), prepared) = tokio::join!(recording, prepare(&agent, info, forked));
+            match prepared {
                 Err(e) => classify_agent_error("preparing the sandbox", e),
                 Ok(()) => {
+                    tracing::debug!(sandbox, ms = ms(phase), "sandbox prepared");
                     let request = ExecRequest {
                         cmd: sweep.command.replace("{cell}", &claim.value),
                         env: cell_environment(info, claim, &sandbox),
@@ -628,6 +637,7 @@ async fn run_attempt(
     // Usage, then the sandbox goes.
     let phase = Instant::now();
     let (cpu_seconds, gib_seconds) = usage(cp, &sandbox).await;
+    tracing::debug!(sandbox, ms = ms(phase), "usage read");
     guard.delete().await;
     timings.delete = ms(phase);
 
@@ -814,8 +824,15 @@ async fn prepare(agent: &AgentClient, info: &SweepInfo, forked: bool) -> Result<
     }
     // Every template has the default one: a round trip saved, and each one
     // right after a restore costs the guest fresh code translation under TCG.
-    if workdir(&info.row) != DEFAULT_WORKDIR {
-        agent.make_dir(workdir(&info.row)).await?;
+    // Nor when a file goes into it: an upload makes its parents.
+    let workdir = workdir(&info.row);
+    let made_by_upload = info.files.iter().any(|(path, _)| {
+        Path::new(path)
+            .parent()
+            .is_some_and(|dir| dir.starts_with(workdir))
+    });
+    if workdir != DEFAULT_WORKDIR && !made_by_upload {
+        agent.make_dir(workdir).await?;
     }
     for (path, bytes) in &info.files {
         agent.write_file(path, None, &bytes[..]).await?;
@@ -1229,6 +1246,10 @@ async fn expand(agent: &AgentClient, pattern: &str) -> Result<Vec<(String, u64)>
     let components: Vec<&str> = pattern.split('/').filter(|c| !c.is_empty()).collect();
     // Directories matched so far, from the root.
     let mut dirs = vec![String::new()];
+    // Files the last component matched in a listing, with the listing's
+    // sizes: a stat of each would be a round trip (and, right after a
+    // restore, fresh guest code to translate) for what is known already.
+    let mut files = Vec::new();
     for (n, component) in components.iter().enumerate() {
         let last = n + 1 == components.len();
         let mut next = Vec::new();
@@ -1251,14 +1272,22 @@ async fn expand(agent: &AgentClient, pattern: &str) -> Result<Vec<(String, u64)>
                 Err(e) => return Err(e.to_string()),
             };
             for entry in listing {
-                if matcher.matches(&entry.name) && (last || entry.is_dir) {
-                    next.push(format!("{dir}/{}", entry.name));
+                if !matcher.matches(&entry.name) {
+                    continue;
+                }
+                let path = format!("{dir}/{}", entry.name);
+                if !last {
+                    if entry.is_dir {
+                        next.push(path);
+                    }
+                } else if !entry.is_dir {
+                    files.push((path, entry.size));
                 }
             }
         }
         dirs = next;
     }
-    let mut files = Vec::new();
+    // Paths whose last component was plain: they may or may not exist.
     for path in dirs {
         if let Some(file) = stat_file(path).await? {
             files.push(file);

@@ -291,7 +291,7 @@ async fn ten_cells_within_the_throttle(server: &Server) {
         .submit(json!({
             "name": "ten",
             "template": "code-interpreter",
-            "command": "cat input.txt; mkdir -p out; \
+            "command": "cat input.txt; mkdir -p out/a-directory.txt; \
                         echo \"$SLURM_ARRAY_TASK_ID $SLURM_ARRAY_JOB_ID $SLURM_JOB_ID $SHOAL_CELL_INDEX $MODE $SLURM_ARRAY_TASK_COUNT\" > out/{cell}.txt; \
                         python3 -c 'print({cell} * {cell})'",
             "cells": {"start": 10, "end": 19},
@@ -299,7 +299,9 @@ async fn ten_cells_within_the_throttle(server: &Server) {
             "workdir": "/work",
             "throttle": 3,
             "timeout_seconds": 120,
-            "collect": ["/work/out/*.txt", "/work/missing.txt"],
+            // A directory the glob matches is not a file to collect; a glob
+            // may stand for a directory on the way.
+            "collect": ["/work/out/*.txt", "/work/missing.txt", "/w*k/input.txt"],
             "files": {"/work/input.txt": b64("hello from the submitter\n")},
         }))
         .await;
@@ -347,7 +349,11 @@ async fn ten_cells_within_the_throttle(server: &Server) {
             "{cell}"
         );
         let collected = cell["collected"].as_object().unwrap();
-        assert_eq!(collected.len(), 1, "{cell}");
+        assert_eq!(collected.len(), 2, "{cell}");
+        assert_eq!(
+            unb64(&collected["/work/input.txt"]),
+            "hello from the submitter\n"
+        );
         assert_eq!(
             unb64(&collected[&format!("/work/out/{value}.txt")]),
             format!(

@@ -201,6 +201,7 @@ async fn connect_restored(
     // The agent's socket must be connected before the device state loads, so
     // the guest sees the same "host connected" state it was saved with.
     let started = Instant::now();
+    tracing::debug!(id, "qmp connected");
     if tracing::enabled!(tracing::Level::DEBUG) {
         let mut events = qmp.events();
         let id = id.to_string();
