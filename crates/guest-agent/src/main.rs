@@ -8,8 +8,9 @@
 //! `identity`), PID 1 setup (`init`) or reaping (`reaper`).
 //!
 //! Threads: one reads the channel and dispatches; each exec, download and
-//! slow file call gets its own thread, so a long exec never blocks others;
-//! one reaper collects every child. All frames go out through one writer.
+//! slow file call gets a thread of its own (`threads`: a few are kept
+//! parked), so a long exec never blocks others; one reaper collects every
+//! child. All frames go out through one writer.
 
 mod calls;
 mod errors;
@@ -18,6 +19,7 @@ mod files;
 mod identity;
 mod init;
 mod reaper;
+mod threads;
 mod warm;
 
 use calls::{CallKind, Calls, ExecControl, Outbox, Stream, Upload};
@@ -113,6 +115,7 @@ pub struct Agent {
     pub calls: Calls,
     pub reaper: Arc<reaper::Reaper>,
     pub warm: warm::WarmShells,
+    pub threads: Arc<threads::CallThreads>,
     pub test_mode: bool,
 }
 
@@ -151,8 +154,10 @@ fn main() {
         calls: Calls::default(),
         reaper: reaper::Reaper::start(),
         warm: warm::WarmShells::default(),
+        threads: Arc::default(),
         test_mode: args.test_mode,
     });
+    agent.threads.start();
     agent.warm.refill(&agent);
     loop {
         let outcome =
@@ -305,10 +310,7 @@ fn read_loop(agent: &Arc<Agent>, reader: Box<dyn Read + Send>, eof_means_idle: b
 }
 
 fn spawn_call(agent: &Arc<Agent>, id: CallId, name: &str, work: impl FnOnce() + Send + 'static) {
-    let spawned = std::thread::Builder::new()
-        .name(format!("{name}-{id}"))
-        .spawn(work);
-    if let Err(err) = spawned {
+    if let Err(err) = agent.threads.run(format!("{name}-{id}"), work) {
         let msg = CallError::new(
             shoal_proto::ErrorKind::Io,
             format!("cannot start a thread for {name}: {err}"),
