@@ -593,15 +593,7 @@ impl Engine {
             let _gc = self.gc_lock.lock().await;
             let mut inner = vm.inner.lock().await;
             running(&vm, &inner)?;
-            // The children's network namespaces are made while the parent
-            // is captured (the pool holds fewer): a restore waiting for its
-            // namespace is later, and these are made on the core the
-            // capture leaves idle.
-            let (point, ()) = tokio::join!(
-                capture::capture(self, &vm, &mut inner, Kind::Fork, true),
-                self.net.fill(count)
-            );
-            let point = point?;
+            let point = capture::capture(self, &vm, &mut inner, Kind::Fork, true).await?;
             // Pinned before the collector can run again; the children refer
             // to the point only once they are registered.
             let pin = Pin::new(&self.pinned, &point.id);

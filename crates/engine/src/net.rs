@@ -46,7 +46,6 @@ use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 /// The guest's address, the same in every sandbox.
@@ -206,33 +205,6 @@ impl NetPool {
                     .expect("slot preparation does not panic")
             }
         }
-    }
-
-    /// Prepares slots now until `count` are ready, two at a time: for a
-    /// fork about to take `count` at once, while its capture runs. What is
-    /// left over serves later creates.
-    pub async fn fill(&self, count: usize) {
-        let missing = count.saturating_sub(self.ready_count());
-        let dns = self.dns;
-        let workers = missing.min(2);
-        let remaining = std::sync::atomic::AtomicUsize::new(missing);
-        let worker = || async {
-            while remaining
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok()
-            {
-                match tokio::task::spawn_blocking(move || prepare_slot(dns)).await {
-                    Ok(Ok(slot)) => self.ready.lock().unwrap().push(slot),
-                    Ok(Err(e)) => {
-                        // A take makes its own slot, and says why it cannot.
-                        tracing::warn!(error = %crate::error::chain(&e), "preparing a network slot failed");
-                        return;
-                    }
-                    Err(_) => return,
-                }
-            }
-        };
-        futures::future::join_all((0..workers).map(|_| worker())).await;
     }
 
     pub fn ready_count(&self) -> usize {

@@ -496,29 +496,3 @@ fn a_sigkilled_engine_s_networks_are_reaped_at_restart() {
         assert!(shoal_testkit::processes_mentioning(&format!("{}/", state.display())).is_empty());
     });
 }
-
-/// A fork fills the pool with as many slots as it has children while its
-/// parent is captured: they are ready to take, and gone when dropped.
-#[test]
-fn a_pool_filled_ahead_has_its_slots_ready() {
-    block_on(async {
-        let _ = engine();
-        let pool = shoal_engine::net::NetPool::open(0, RESOLVER_IP.parse().unwrap()).unwrap();
-        assert_eq!(pool.ready_count(), 0);
-        pool.fill(3).await;
-        assert_eq!(pool.ready_count(), 3);
-        pool.fill(2).await;
-        assert_eq!(pool.ready_count(), 3, "a fill never shrinks or overfills");
-        let slot = pool.take().await.unwrap();
-        assert_eq!(pool.ready_count(), 2);
-        let veth = slot.host_veth();
-        assert!(shoal_engine::net::shoal_veths().contains(&veth));
-        drop(slot);
-        pool.close();
-        let gone = wait_until(Duration::from_secs(10), || async {
-            !shoal_engine::net::shoal_veths().contains(&veth)
-        })
-        .await;
-        assert!(gone, "{veth} outlived its slot");
-    });
-}
