@@ -7,6 +7,7 @@
 //! reaper never takes a sandbox in the middle of a command.
 
 use crate::{now, ApiResult, ControlPlane};
+use shoal_host::Usage;
 use shoal_store::{status, Account, SandboxPatch, SandboxRow, UsageSample};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -89,10 +90,11 @@ struct Reading {
 }
 
 impl Meter {
-    /// Records what `id` used since its last sample.
-    pub async fn sample_one(&self, cp: &ControlPlane, id: &str) {
+    /// Records what `id` used since its last sample, and returns the
+    /// reading (none for a sandbox without a process).
+    pub async fn sample_one(&self, cp: &ControlPlane, id: &str) -> Option<Usage> {
         let Ok(Some(usage)) = cp.host.engine().usage(id) else {
-            return;
+            return None;
         };
         let at = now();
         let previous = self.last.lock().unwrap().insert(
@@ -129,6 +131,7 @@ impl Meter {
         if let Err(e) = cp.store.record_usage(&sample).await {
             tracing::warn!(id, error = %e, "recording usage");
         }
+        Some(usage)
     }
 
     async fn sample_rows(&self, cp: &ControlPlane, rows: Vec<SandboxRow>) {

@@ -33,7 +33,7 @@
 use crate::{now, ControlPlane};
 use base64::Engine as _;
 use serde_json::{json, Value};
-use shoal_host::{CpuPriority, CreateOptions, HostError, Source};
+use shoal_host::{CpuPriority, CreateOptions, HostError, Source, Usage};
 use shoal_proto::client::{AgentClient, AgentError, ExecEvent, ExecRequest};
 use shoal_proto::ErrorKind;
 use shoal_store::{
@@ -523,6 +523,9 @@ async fn run_attempt(
         Some(semaphore) => Some(semaphore.acquire().await.expect("never closed")),
         None => None,
     };
+    // When the sandbox's memory starts to count (its row's own creation
+    // time is a moment later, inside `make_sandbox`).
+    let created_at = now();
     let sandbox = match make_sandbox(cp, info, claim).await {
         Ok(sandbox) => sandbox,
         Err(Refusal::Retry(why)) => return release(cp, claim, &why).await,
@@ -634,11 +637,14 @@ async fn run_attempt(
     };
     timings.collect = ms(phase);
 
-    // Usage, then the sandbox goes.
+    // The sandbox goes; its last usage reading, taken for the meter just
+    // before the kill, prices the cell (one read of the process's memory
+    // map, which costs milliseconds, not two).
     let phase = Instant::now();
-    let (cpu_seconds, gib_seconds) = usage(cp, &sandbox).await;
-    tracing::debug!(sandbox, ms = ms(phase), "usage read");
-    guard.delete().await;
+    let (cpu_seconds, gib_seconds) = guard.delete().await.map_or((0.0, 0.0), |usage| {
+        let age = (now() - created_at).max(0.0);
+        (usage.cpu_seconds, usage.pss_bytes as f64 / GIB * age)
+    });
     timings.delete = ms(phase);
 
     let mut outcome = CellOutcome::new(CellEnd::Failed, now());
@@ -770,10 +776,10 @@ struct SandboxGuard {
 }
 
 impl SandboxGuard {
-    async fn delete(mut self) {
-        if let Some(id) = self.id.take() {
-            destroy(&self.cp, &id).await;
-        }
+    /// Deletes the sandbox, and returns its last usage reading.
+    async fn delete(mut self) -> Option<Usage> {
+        let id = self.id.take()?;
+        destroy(&self.cp, &id).await
     }
 }
 
@@ -781,35 +787,25 @@ impl Drop for SandboxGuard {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
             let cp = self.cp.clone();
-            tokio::spawn(async move { destroy(&cp, &id).await });
+            tokio::spawn(async move {
+                destroy(&cp, &id).await;
+            });
         }
     }
 }
 
-async fn destroy(cp: &ControlPlane, id: &str) {
-    if let Err(e) = cp.destroy(id).await {
-        tracing::warn!(
-            sandbox = id,
-            error = e.message,
-            "deleting a sweep's sandbox"
-        );
-    }
-}
-
-/// CPU-seconds of the VM so far, and its memory (Pss) times its age.
-async fn usage(cp: &ControlPlane, sandbox: &str) -> (f64, f64) {
-    let Ok(Some(usage)) = cp.host.engine().usage(sandbox) else {
-        return (0.0, 0.0);
-    };
-    let created = cp
-        .store
-        .sandbox_by_id(sandbox)
+async fn destroy(cp: &ControlPlane, id: &str) -> Option<Usage> {
+    cp.destroy(id)
         .await
+        .inspect_err(|e| {
+            tracing::warn!(
+                sandbox = id,
+                error = e.message,
+                "deleting a sweep's sandbox"
+            );
+        })
         .ok()
         .flatten()
-        .map_or_else(now, |row| row.created_at);
-    let age = (now() - created).max(0.0);
-    (usage.cpu_seconds, usage.pss_bytes as f64 / GIB * age)
 }
 
 fn workdir(sweep: &SweepRow) -> &str {

@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shoal_host::{CreateOptions, SandboxInfo, Source};
+use shoal_host::{CreateOptions, SandboxInfo, Source, Usage};
 use shoal_store::{status, Account, Metadata, NewSandbox, SandboxPatch, SandboxRow, SnapshotRow};
 use std::sync::Arc;
 
@@ -121,8 +121,9 @@ impl ControlPlane {
     }
 
     /// Stops a sandbox and records it deleted (its usage rows stay).
-    pub(crate) async fn destroy(&self, id: &str) -> ApiResult<()> {
-        self.meter.sample_one(self, id).await;
+    /// Returns its last usage reading, taken just before the kill.
+    pub(crate) async fn destroy(&self, id: &str) -> ApiResult<Option<Usage>> {
+        let last_usage = self.meter.sample_one(self, id).await;
         self.host.kill(id).await?;
         let patch = SandboxPatch {
             status: Some(status::DELETED.into()),
@@ -130,7 +131,7 @@ impl ControlPlane {
             ..SandboxPatch::default()
         };
         self.store.update_sandbox(id, patch).await?;
-        Ok(())
+        Ok(last_usage)
     }
 }
 
@@ -505,7 +506,7 @@ async fn promote_detached(
         for sibling in cp.store.list_sandboxes(account.id).await? {
             if sibling.id != winner.id && sibling.tree_id.as_deref() == Some(tree.as_str()) {
                 match cp.destroy(&sibling.id).await {
-                    Ok(()) => deleted.push(sibling.id),
+                    Ok(_) => deleted.push(sibling.id),
                     Err(e) => {
                         failures.insert(sibling.id, Value::String(e.message));
                     }
