@@ -15,7 +15,7 @@
 
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use shoal_testkit::Database;
+use shoal_testkit::{ApiClient, Database};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -27,57 +27,17 @@ const IDLE_SECONDS: u64 = 6;
 const WEB: &str = "mkdir -p /srv/web && cd /srv/web && echo \"$GREETING\" > greeting.txt \
                    && exec python3 -m http.server 8000";
 
-struct Client {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
+/// The API client, with this test's app helpers.
+struct Client(ApiClient);
 
-/// An answer: status, Retry-After, body as text and (if it is) JSON.
-struct Answer {
-    status: StatusCode,
-    retry_after: Option<u64>,
-    text: String,
-    json: Value,
+impl std::ops::Deref for Client {
+    type Target = ApiClient;
+    fn deref(&self) -> &ApiClient {
+        &self.0
+    }
 }
 
 impl Client {
-    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Answer {
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(&self.token)
-            .timeout(Duration::from_secs(120));
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.expect("calling shoal up");
-        let status = response.status();
-        let retry_after = response
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok()?.parse().ok());
-        let text = response.text().await.unwrap_or_default();
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Answer {
-            status,
-            retry_after,
-            text,
-            json,
-        }
-    }
-
-    async fn ok(&self, method: Method, path: &str, body: Option<Value>) -> Value {
-        let answer = self.call(method, path, body).await;
-        assert!(
-            answer.status.is_success(),
-            "{path}: {} {}",
-            answer.status,
-            answer.text
-        );
-        answer.json
-    }
-
     async fn app(&self, id: &str) -> Value {
         self.ok(Method::GET, &format!("/v1/apps/{id}"), None).await
     }
@@ -288,11 +248,7 @@ async fn apps_deploy_hibernate_wake_and_wait_for_capacity(database_url: &str, st
         .env("RUST_LOG", "info")
         .start()
         .await;
-    let client = Client {
-        http: reqwest::Client::new(),
-        base: up.base().to_owned(),
-        token: up.token("apps"),
-    };
+    let client = Client(ApiClient::new(up.base(), up.token("apps")));
 
     bad_input_makes_nothing(&client).await;
     sandbox_proxy_reaches_a_guest_server(&client).await;
@@ -395,7 +351,11 @@ async fn apps_deploy_hibernate_wake_and_wait_for_capacity(database_url: &str, st
         refused.text
     );
     assert!(
-        refused.retry_after.is_some_and(|s| s >= 1),
+        refused
+            .retry_after
+            .as_deref()
+            .and_then(|s| s.parse::<u64>().ok())
+            .is_some_and(|s| s >= 1),
         "no Retry-After"
     );
     let app = client.app(&web).await;

@@ -18,6 +18,7 @@
 //! it.
 
 use serde_json::{json, Value};
+use shoal_testkit::ApiClient;
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -144,11 +145,8 @@ fn rehost(url: &str, host: &str, port: u16) -> (String, String) {
     )
 }
 
-struct Api {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
+/// The front's API client, answers as (status, Retry-After, JSON).
+struct Api(ApiClient);
 
 impl Api {
     async fn call(
@@ -157,21 +155,8 @@ impl Api {
         path: &str,
         body: Option<Value>,
     ) -> (u16, Option<String>, Value) {
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(&self.token);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.expect("calling the front");
-        let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get("retry-after")
-            .map(|v| v.to_str().unwrap().to_owned());
-        let value = response.json().await.unwrap_or(Value::Null);
-        (status, retry_after, value)
+        let answer = self.0.call(method, path, body).await;
+        (answer.status.as_u16(), answer.retry_after, answer.json)
     }
 
     async fn create(&self) -> (u16, Option<String>, Value) {
@@ -294,11 +279,11 @@ fn three_hosts_spread_lose_one_and_fill_up() {
         );
 
         let token = shoal_testkit::api_token(Path::new(shoal), &db.url, "fleet", None);
-        let api = Api {
+        let api = Api(ApiClient {
             http: http.clone(),
             base: front_url.clone(),
             token: token.clone(),
-        };
+        });
 
         // 30 creates, six at a time.
         let mut ids = Vec::new();

@@ -11,33 +11,19 @@
 //! `shoal up` runs in its own process group and is stopped by its id.
 
 use serde_json::{json, Value};
-use shoal_testkit::Database;
+use shoal_testkit::{ApiClient, Database};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const CELLS: usize = 8;
 const THROTTLE: usize = 2;
 
-struct Client {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
+/// The API client; every call of this test must succeed.
+struct Client(ApiClient);
 
 impl Client {
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(&self.token);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.expect("calling shoal up");
-        let status = response.status();
-        let value: Value = response.json().await.expect("a JSON answer");
-        assert!(status.is_success(), "{path}: {status} {value}");
-        value
+        self.0.ok(method, path, body).await
     }
 
     async fn get(&self, path: &str) -> Value {
@@ -57,11 +43,7 @@ async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
         .database_url(database_url)
         .start()
         .await;
-    let client = Client {
-        http: reqwest::Client::new(),
-        base: up.base().to_owned(),
-        token: up.token("crash"),
-    };
+    let client = Client(ApiClient::new(up.base(), up.token("crash")));
     let sweep = client
         .call(
             reqwest::Method::POST,
@@ -113,10 +95,10 @@ async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
 
     // A new life on the same database and state directory.
     up.restart().await;
-    let client = Client {
+    let client = Client(ApiClient {
         base: up.base().to_owned(),
-        ..client
-    };
+        ..client.0
+    });
     for pid in &orphans {
         assert!(
             !shoal_testkit::alive(*pid),

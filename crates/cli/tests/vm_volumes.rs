@@ -12,27 +12,17 @@
 //! `shoal up` runs in its own process group and is stopped by its id.
 
 use serde_json::{json, Value};
+use shoal_testkit::ApiClient;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-struct Api {
-    http: reqwest::Client,
-    base: String,
-    token: String,
-}
+/// The API client, answers as (status, JSON), with this test's helpers.
+struct Api(ApiClient);
 
 impl Api {
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(&self.token);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.expect("calling shoal up");
-        let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or(Value::Null))
+        let answer = self.0.call(method, path, body).await;
+        (answer.status.as_u16(), answer.json)
     }
 
     async fn get(&self, path: &str) -> (u16, Value) {
@@ -115,12 +105,7 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
             .ready_within(Duration::from_secs(900))
             .start()
             .await;
-        let http = reqwest::Client::new();
-        let api = Api {
-            http: http.clone(),
-            base: up.base().to_owned(),
-            token: up.token("team"),
-        };
+        let api = Api(ApiClient::new(up.base(), up.token("team")));
 
         // Create: validation, then the image.
         for bad in [
@@ -279,11 +264,7 @@ fn volumes_outlive_sandboxes_with_one_writer_or_many_readers() {
         assert_eq!(api.delete("/v1/volumes/data").await, 404);
 
         // The free tier: one volume of at most 1 GiB.
-        let free = Api {
-            http,
-            base: up.base().to_owned(),
-            token: up.token_of_tier("free", "free"),
-        };
+        let free = Api(ApiClient::new(up.base(), up.token_of_tier("free", "free")));
         let (_, me) = free.get("/v1/me").await;
         assert_eq!(me["limits"]["max_volumes"], 1);
         assert_eq!(me["limits"]["max_volume_size_mb"], 1024);

@@ -29,7 +29,9 @@
 //! (only through `shoal_host`).
 
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{field, integer, read_limited, required_string, string, string_map, Caller};
+use crate::extract::{
+    field, integer, json_object, required_string, string, string_map, Caller, MAX_JSON_BODY,
+};
 use crate::{now, proxy, rfc3339, ControlPlane};
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -270,25 +272,13 @@ fn idle_seconds(body: &Map<String, Value>) -> ApiResult<Option<u64>> {
     integer(body, "idle_seconds", 0, MAX_IDLE_SECONDS)
 }
 
-async fn json_object(request: Request) -> ApiResult<Map<String, Value>> {
-    let bytes = read_limited(request, &(), crate::extract::MAX_JSON_BODY).await?;
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Ok(Map::new());
-    }
-    match serde_json::from_slice(&bytes) {
-        Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(ApiError::bad_request("the body must be a JSON object")),
-        Err(e) => Err(ApiError::bad_request(format!("invalid JSON body: {e}"))),
-    }
-}
-
 pub async fn create(
     State(cp): St,
     Caller(account): Caller,
     request: Request,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let headers = request.headers().clone();
-    let body = json_object(request).await?;
+    let body = json_object(request, MAX_JSON_BODY).await?;
     refuse_unsupported(&body)?;
     let name = required_string(&body, "name")?;
     if !crate::sandboxes::valid_template_name(&name) {
@@ -370,7 +360,7 @@ pub async fn patch(
     request: Request,
 ) -> ApiResult<Json<Value>> {
     let headers = request.headers().clone();
-    let body = json_object(request).await?;
+    let body = json_object(request, MAX_JSON_BODY).await?;
     refuse_unsupported(&body)?;
     if field(&body, "name").is_some() {
         return Err(ApiError::bad_request("an app's name cannot change"));

@@ -31,9 +31,7 @@ impl FromRequestParts<Arc<ControlPlane>> for Caller {
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
+            .and_then(shoal_store::bearer_token)
             .ok_or_else(unauthorized)?;
         state
             .authenticate(token)
@@ -50,14 +48,31 @@ pub struct Body<T>(pub T);
 impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> ApiResult<Self> {
-        let bytes = read_limited(req, state, MAX_JSON_BODY).await?;
+    async fn from_request(req: Request, _state: &S) -> ApiResult<Self> {
+        Body::read(req, MAX_JSON_BODY).await
+    }
+}
+
+impl<T: DeserializeOwned + Default> Body<T> {
+    async fn read(req: Request, limit: usize) -> ApiResult<Self> {
+        let bytes = read_limited(req, &(), limit).await?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Body(T::default()));
         }
         serde_json::from_slice(&bytes)
             .map(Body)
             .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    }
+}
+
+/// A JSON object body of at most `limit` bytes; an empty body reads as an
+/// empty object, anything else that is not an object is a 400.
+pub async fn json_object(req: Request, limit: usize) -> ApiResult<Map<String, Value>> {
+    let Body(body) = Body::<Value>::read(req, limit).await?;
+    match body {
+        Value::Null => Ok(Map::new()),
+        Value::Object(map) => Ok(map),
+        _ => Err(ApiError::bad_request("the body must be a JSON object")),
     }
 }
 

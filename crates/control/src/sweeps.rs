@@ -6,7 +6,7 @@
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{
-    field, integer, read_limited, required_string, string, string_map, Body, Caller,
+    field, integer, json_object, required_string, string, string_map, Body, Caller,
 };
 use crate::{now, rfc3339, ControlPlane};
 use axum::extract::{Path, RawQuery, Request, State};
@@ -368,12 +368,7 @@ pub async fn create(
     Caller(account): Caller,
     request: Request,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let bytes = read_limited(request, &(), MAX_CREATE_BODY).await?;
-    let body: Value =
-        serde_json::from_slice(&bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
-    let Value::Object(body) = body else {
-        return Err(bad("the body must be a JSON object"));
-    };
+    let body = json_object(request, MAX_CREATE_BODY).await?;
     let new = new_sweep(&cp, &account, &body).await?;
     let row = cp.store.create_sweep(&new, now()).await?;
     cp.runner.wake();

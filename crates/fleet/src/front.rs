@@ -225,9 +225,7 @@ impl Front {
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
+            .and_then(shoal_store::bearer_token)
             .ok_or_else(unauthorized)?;
         let key = shoal_store::token_hash(token);
         if let Some((account, at)) = self.tokens.lock().unwrap().get(&key) {

@@ -35,8 +35,7 @@ fn fleet_token_matches(headers: &axum::http::HeaderMap, token: &str) -> bool {
     let given = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+        .and_then(shoal_store::bearer_token)
         .unwrap_or("");
     // Length first, then every byte: no early exit on the first mismatch.
     given.len() == token.len()

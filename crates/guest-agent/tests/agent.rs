@@ -11,46 +11,21 @@ use shoal_proto::{
     encode, ErrorKind, Frame, GuestMsg, HostMsg, PtySize, MAX_CHUNK, PROTOCOL_VERSION,
     STREAM_WINDOW,
 };
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::{Child, Command};
-use std::sync::atomic::{AtomicU32, Ordering};
+use shoal_testkit::LocalAgent;
+use std::path::Path;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixStream;
 
-/// One agent process serving one socket in a private temp dir.
-struct Agent {
-    child: Child,
-    dir: PathBuf,
-}
+/// The agent under test, built with this crate, as a host process.
+struct Agent(LocalAgent);
 
 impl Agent {
     /// Spawns the agent and returns it with the accepted host end.
     async fn spawn() -> (Agent, UnixStream) {
-        static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "shoal-agent-test-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("agent.sock");
-        let listener = UnixListener::bind(&socket).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_shoal-guest-agent"))
-            .arg("--connect")
-            .arg(&socket)
-            .arg("--test-mode")
-            .process_group(0)
-            .spawn()
-            .unwrap();
-        let agent = Agent { child, dir };
-        let (stream, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
-            .await
-            .expect("the agent connects")
-            .unwrap();
-        (agent, stream)
+        let binary = Path::new(env!("CARGO_BIN_EXE_shoal-guest-agent"));
+        let (agent, stream) = LocalAgent::spawn(binary, None).await;
+        (Agent(agent), stream)
     }
 
     async fn client() -> (Agent, AgentClient) {
@@ -60,17 +35,7 @@ impl Agent {
     }
 
     fn path(&self, name: &str) -> String {
-        self.dir.join(name).to_string_lossy().into_owned()
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        // Only the agent itself, by its pid; its execs have their own groups
-        // and the tests that leave any behind kill them by group.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.0.dir.join(name).to_string_lossy().into_owned()
     }
 }
 
@@ -639,7 +604,7 @@ async fn pending_calls_fail_with_closed_when_the_agent_dies() {
     let (mut agent, client) = Agent::client().await;
     let mut handle = client.exec(ExecRequest::new("sleep 30")).await.unwrap();
     let pgid = handle.pid();
-    agent.child.kill().unwrap();
+    agent.0.child.kill().unwrap();
     let result = tokio::time::timeout(Duration::from_secs(5), handle.next_event())
         .await
         .unwrap();
@@ -653,7 +618,7 @@ async fn the_agent_exits_when_the_host_hangs_up() {
     let (mut agent, stream) = Agent::spawn().await;
     drop(stream);
     let give_up = Instant::now() + Duration::from_secs(5);
-    while agent.child.try_wait().unwrap().is_none() {
+    while agent.0.child.try_wait().unwrap().is_none() {
         assert!(Instant::now() < give_up, "the agent is still running");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

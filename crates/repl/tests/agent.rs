@@ -5,20 +5,14 @@
 
 use shoal_proto::client::AgentClient;
 use shoal_repl::{CellOutput, ReplError, ReplSession};
-use shoal_testkit::alive;
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::{Child, Command};
-use std::sync::atomic::{AtomicU32, Ordering};
+use shoal_testkit::{alive, LocalAgent};
 use std::time::{Duration, Instant};
-use tokio::net::UnixListener;
 
-/// One agent process serving one socket in a private temp dir; killed (by
-/// its pid) when dropped, along with the kernels the test registered.
+/// The real guest agent as a host process; the kernels the test registered
+/// are killed (by their groups) when it is dropped, then the agent.
 struct Agent {
-    child: Child,
-    dir: PathBuf,
     kernels: Vec<u32>,
+    _agent: LocalAgent,
 }
 
 impl Agent {
@@ -28,39 +22,15 @@ impl Agent {
 
     /// `path` replaces the agent's (and so its execs') PATH.
     async fn start_with_path(path: Option<&str>) -> (Agent, AgentClient) {
-        static COUNTER: AtomicU32 = AtomicU32::new(0);
         let binary = tokio::task::spawn_blocking(shoal_testkit::guest_agent)
             .await
             .unwrap();
-        let dir = std::env::temp_dir().join(format!(
-            "shoal-repl-test-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("agent.sock");
-        let listener = UnixListener::bind(&socket).unwrap();
-        let mut command = Command::new(binary);
-        command
-            .arg("--connect")
-            .arg(&socket)
-            .arg("--test-mode")
-            .process_group(0);
-        if let Some(path) = path {
-            command.env("PATH", path);
-        }
-        let child = command.spawn().unwrap();
-        let agent = Agent {
-            child,
-            dir,
-            kernels: Vec::new(),
-        };
-        let (stream, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
-            .await
-            .expect("the agent connects")
-            .unwrap();
+        let (agent, stream) = LocalAgent::spawn(binary, path).await;
         let client = AgentClient::connect(stream).await.unwrap();
+        let agent = Agent {
+            kernels: Vec::new(),
+            _agent: agent,
+        };
         (agent, client)
     }
 
@@ -82,9 +52,6 @@ impl Drop for Agent {
                 unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
             }
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -99,6 +99,15 @@ fn new_token() -> String {
     format!("{TOKEN_PREFIX}{random}")
 }
 
+/// The token of an `Authorization: Bearer <token>` header value, if it
+/// holds a non-empty one (the scheme's case does not matter, RFC 7235).
+/// One parser for every API that takes tokens.
+pub fn bearer_token(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
 /// What the database stores for a token: lowercase hex of its SHA-256.
 pub fn token_hash(token: &str) -> String {
     hex::encode(Sha256::digest(token.as_bytes()))
@@ -127,5 +136,16 @@ mod tests {
         let h = token_hash(&a);
         assert_eq!(h.len(), 64);
         assert!(!h.contains(&a[3..]));
+    }
+
+    #[test]
+    fn bearer_tokens_are_parsed() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("Bearer  abc "), Some("abc"));
+        assert_eq!(bearer_token("Bearer "), None);
+        assert_eq!(bearer_token("Bearer    "), None);
+        assert_eq!(bearer_token("bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("abc"), None);
     }
 }

@@ -47,7 +47,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-pub use accounts::token_hash;
+pub use accounts::{bearer_token, token_hash};
 pub use hosts::PLACEMENT_TIMEOUT_SECONDS;
 pub use model::*;
 pub use sweeps::{measure_claims, ClaimRate};

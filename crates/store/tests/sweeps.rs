@@ -1,178 +1,25 @@
 //! Sweeps against real databases: every case runs on a fresh SQLite file and,
 //! when `SHOAL_TEST_DATABASE_URL` names a PostgreSQL server (see
 //! `scripts/with-postgres`), on a fresh database of its own there. Under CI
-//! the PostgreSQL variants fail rather than skip when no server is given.
-//! (The per-case database helper is the one of `tests/store.rs`.)
+//! the PostgreSQL variants fail rather than skip when no server is given
+//! (see `common`).
+
+mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::future::Future;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::Db;
 use rand::Rng;
 use shoal_store::{
     CellEnd, CellFilter, CellOutcome, CellState, NewSweep, RateCard, Renewal, Store, StoreError,
     SweepState, Tier,
 };
-use sqlx::{Connection, Executor, PgConnection};
 
 const T0: f64 = 1_800_000_000.0;
 const LEASE: Duration = Duration::from_secs(30);
-
-/// One case's database.
-struct Db {
-    store: Store,
-    /// What `Store::connect` was given, to reopen it.
-    url: String,
-    kind: Kind,
-}
-
-enum Kind {
-    Sqlite { dir: PathBuf },
-    Postgres { admin_url: String, name: String },
-}
-
-impl Db {
-    async fn reopen(&self) -> Store {
-        Store::connect(&self.url).await.expect("reopen the store")
-    }
-
-    async fn cleanup(&self) {
-        self.store.close().await;
-        match &self.kind {
-            Kind::Sqlite { dir } => {
-                let _ = std::fs::remove_dir_all(dir);
-            }
-            Kind::Postgres { admin_url, name } => {
-                let mut admin = PgConnection::connect(admin_url).await.unwrap();
-                admin
-                    .execute(&*format!("DROP DATABASE {name} WITH (FORCE)"))
-                    .await
-                    .unwrap();
-            }
-        }
-    }
-}
-
-fn random_suffix() -> String {
-    format!(
-        "{}_{:016x}",
-        std::process::id(),
-        rand::thread_rng().gen::<u64>()
-    )
-}
-
-async fn sqlite_db() -> Db {
-    let dir = std::env::temp_dir().join(format!("shoal-sweeps-test-{}", random_suffix()));
-    let path = dir.join("shoal.db");
-    let url = format!("sqlite:{}", path.display());
-    let store = Store::connect(&url).await.expect("open SQLite store");
-    Db {
-        store,
-        url,
-        kind: Kind::Sqlite { dir },
-    }
-}
-
-/// A fresh database on the server `SHOAL_TEST_DATABASE_URL` names, or None
-/// (outside CI) when it names none.
-async fn postgres_db() -> Option<Db> {
-    let Ok(admin_url) = std::env::var("SHOAL_TEST_DATABASE_URL") else {
-        if std::env::var_os("CI").is_some() {
-            panic!("SHOAL_TEST_DATABASE_URL is not set: under CI the PostgreSQL tests must run (scripts/with-postgres)");
-        }
-        eprintln!("skipping the PostgreSQL variant: SHOAL_TEST_DATABASE_URL is not set (use scripts/with-postgres)");
-        return None;
-    };
-    let name = format!("shoal_test_{}", random_suffix());
-    let mut admin = PgConnection::connect(&admin_url)
-        .await
-        .expect("connect to SHOAL_TEST_DATABASE_URL");
-    admin
-        .execute(&*format!("CREATE DATABASE {name}"))
-        .await
-        .unwrap();
-    admin.close().await.unwrap();
-    let url = with_database(&admin_url, &name);
-    let store = Store::connect(&url).await.expect("open PostgreSQL store");
-    assert_eq!(store.backend(), "postgres");
-    Some(Db {
-        store,
-        url,
-        kind: Kind::Postgres { admin_url, name },
-    })
-}
-
-/// `url` with its database path replaced by `name`.
-fn with_database(url: &str, name: &str) -> String {
-    let (url, query) = match url.split_once('?') {
-        Some((u, q)) => (u, Some(q)),
-        None => (url, None),
-    };
-    let authority_start = url.find("://").map(|i| i + 3).unwrap_or(0);
-    let base = match url[authority_start..].find('/') {
-        Some(slash) => &url[..authority_start + slash],
-        None => url,
-    };
-    match query {
-        Some(q) => format!("{base}/{name}?{q}"),
-        None => format!("{base}/{name}"),
-    }
-}
-
-async fn run_sqlite<F, Fut>(case: F)
-where
-    F: FnOnce(Arc<Db>) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    run(sqlite_db().await, case).await;
-}
-
-async fn run_postgres<F, Fut>(case: F)
-where
-    F: FnOnce(Arc<Db>) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    if let Some(db) = postgres_db().await {
-        run(db, case).await;
-    }
-}
-
-/// Runs the case, then drops its database (only when it passed, so a failed
-/// one can be inspected).
-async fn run<F, Fut>(db: Db, case: F)
-where
-    F: FnOnce(Arc<Db>) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let db = Arc::new(db);
-    case(db.clone()).await;
-    db.cleanup().await;
-}
-
-/// Each case as `sqlite::NAME` and `postgres::NAME`.
-macro_rules! cases {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::run_sqlite(super::$name).await;
-                }
-            )*
-        }
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::run_postgres(super::$name).await;
-                }
-            )*
-        }
-    };
-}
 
 cases!(
     create_claim_renew_finish,

@@ -9,7 +9,12 @@
 //! (a real `shoal up` among them: [`process`]). Holds no assertions about
 //! product behaviour: tests do.
 
+mod api;
+mod local_agent;
 pub mod process;
+
+pub use api::{Answer, ApiClient};
+pub use local_agent::LocalAgent;
 pub use process::{alive, free_port, signal_pid, Process, ShoalUp, UpConfig, SIGKILL, SIGTERM};
 
 use shoal_engine::{Engine, EngineConfig};

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rand::Rng;
 use shoal_store::Store;
-use sqlx::{Connection, Executor, PgConnection};
+use sqlx::{Connection, Executor, PgConnection, Row};
 
 /// One case's database.
 pub struct Db {
@@ -22,7 +22,8 @@ pub struct Db {
 }
 
 pub enum Kind {
-    Sqlite { dir: PathBuf },
+    /// `path` is the database file, in the case's own `dir`.
+    Sqlite { dir: PathBuf, path: PathBuf },
     Postgres { admin_url: String, name: String },
 }
 
@@ -31,10 +32,29 @@ impl Db {
         Store::connect(&self.url).await.expect("reopen the store")
     }
 
+    /// Every value of one text column, read around the store.
+    pub async fn raw_texts(&self, sql: &str) -> Vec<String> {
+        match &self.kind {
+            Kind::Sqlite { path, .. } => {
+                let mut conn =
+                    sqlx::SqliteConnection::connect(&format!("sqlite:{}", path.display()))
+                        .await
+                        .unwrap();
+                let rows = sqlx::query(sql).fetch_all(&mut conn).await.unwrap();
+                rows.iter().map(|r| r.get::<String, _>(0)).collect()
+            }
+            Kind::Postgres { .. } => {
+                let mut conn = PgConnection::connect(&self.url).await.unwrap();
+                let rows = sqlx::query(sql).fetch_all(&mut conn).await.unwrap();
+                rows.iter().map(|r| r.get::<String, _>(0)).collect()
+            }
+        }
+    }
+
     pub async fn cleanup(&self) {
         self.store.close().await;
         match &self.kind {
-            Kind::Sqlite { dir } => {
+            Kind::Sqlite { dir, .. } => {
                 let _ = std::fs::remove_dir_all(dir);
             }
             Kind::Postgres { admin_url, name } => {
@@ -58,13 +78,15 @@ pub fn random_suffix() -> String {
 
 pub async fn sqlite_db() -> Db {
     let dir = std::env::temp_dir().join(format!("shoal-store-test-{}", random_suffix()));
-    let path = dir.join("shoal.db");
+    // A directory that does not exist yet: connect must create it.
+    let path = dir.join("state").join("shoal.db");
     let url = format!("sqlite:{}", path.display());
     let store = Store::connect(&url).await.expect("open SQLite store");
+    assert_eq!(store.backend(), "sqlite");
     Db {
         store,
         url,
-        kind: Kind::Sqlite { dir },
+        kind: Kind::Sqlite { dir, path },
     }
 }
 
