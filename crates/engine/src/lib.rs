@@ -977,15 +977,22 @@ fn lock_file(path: &Path, wait: bool) -> Result<std::fs::File> {
 
 /// CPU seconds (user + system, from `stat`) and Pss/Rss (from
 /// `smaps_rollup`) of a process.
-pub fn process_usage(proc_root: &Path, pid: u32) -> Option<Usage> {
-    let dir = proc_root.join(pid.to_string());
-    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+/// User plus system CPU time of a process, from `/proc/PID/stat` alone
+/// (cheap, unlike the memory figures of [`process_usage`]).
+pub fn process_cpu_seconds(proc_root: &Path, pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
     // Fields after the command name, which may itself hold spaces.
     let after = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = after.split_whitespace().collect();
     let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(ticks / hz)
+}
+
+pub fn process_usage(proc_root: &Path, pid: u32) -> Option<Usage> {
+    let dir = proc_root.join(pid.to_string());
+    let cpu_seconds = process_cpu_seconds(proc_root, pid)?;
     let rollup = std::fs::read_to_string(dir.join("smaps_rollup")).ok()?;
     let field = |name: &str| -> u64 {
         rollup
@@ -997,7 +1004,7 @@ pub fn process_usage(proc_root: &Path, pid: u32) -> Option<Usage> {
             * 1024
     };
     Some(Usage {
-        cpu_seconds: ticks / hz,
+        cpu_seconds,
         pss_bytes: field("Pss:"),
         rss_bytes: field("Rss:"),
     })

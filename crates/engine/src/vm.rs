@@ -172,7 +172,7 @@ pub(crate) async fn restore(
         ms = started.elapsed().as_secs_f64() * 1e3,
         "qemu spawned"
     );
-    match connect_restored(dir, id, &mut child).await {
+    match connect_restored(dir, id, pid, &mut child).await {
         Ok((qmp, agent)) => Ok(Live {
             child,
             pid,
@@ -191,6 +191,7 @@ pub(crate) async fn restore(
 async fn connect_restored(
     dir: &Path,
     id: &str,
+    pid: u32,
     child: &mut tokio::process::Child,
 ) -> Result<(Qmp, AgentClient)> {
     let qmp_path = qemu::qmp_socket(dir);
@@ -237,9 +238,12 @@ async fn connect_restored(
         "agent answered"
     );
     give_identity(&agent, id).await?;
+    // QEMU's CPU time against the wall time tells a start slowed by waiting
+    // for a core from one that had more to do.
     tracing::debug!(
         id,
         ms = started.elapsed().as_secs_f64() * 1e3,
+        qemu_cpu_ms = crate::process_cpu_seconds(Path::new("/proc"), pid).map(|s| s * 1e3),
         "identity given"
     );
     Ok((qmp, agent))
