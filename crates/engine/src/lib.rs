@@ -975,8 +975,6 @@ fn lock_file(path: &Path, wait: bool) -> Result<std::fs::File> {
     Ok(file)
 }
 
-/// CPU seconds (user + system, from `stat`) and Pss/Rss (from
-/// `smaps_rollup`) of a process.
 /// User plus system CPU time of a process, from `/proc/PID/stat` alone
 /// (cheap, unlike the memory figures of [`process_usage`]).
 pub fn process_cpu_seconds(proc_root: &Path, pid: u32) -> Option<f64> {
@@ -990,6 +988,9 @@ pub fn process_cpu_seconds(proc_root: &Path, pid: u32) -> Option<f64> {
     Some(ticks / hz)
 }
 
+/// CPU seconds (user + system, from `stat`) and Pss/Rss (from
+/// `smaps_rollup`, which walks the process's page tables: milliseconds for
+/// a QEMU process) of a process.
 pub fn process_usage(proc_root: &Path, pid: u32) -> Option<Usage> {
     let dir = proc_root.join(pid.to_string());
     let cpu_seconds = process_cpu_seconds(proc_root, pid)?;
