@@ -55,7 +55,7 @@ impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for Body<T> {
 
 impl<T: DeserializeOwned + Default> Body<T> {
     async fn read(req: Request, limit: usize) -> ApiResult<Self> {
-        let bytes = read_limited(req, &(), limit).await?;
+        let bytes = read_limited(req, limit).await?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Body(T::default()));
         }
@@ -78,11 +78,7 @@ pub async fn json_object(req: Request, limit: usize) -> ApiResult<Map<String, Va
 
 /// The whole body, refused with 413 past `limit` bytes (by Content-Length
 /// before reading when the client sent one).
-pub async fn read_limited<S: Send + Sync>(
-    req: Request,
-    _state: &S,
-    limit: usize,
-) -> ApiResult<Bytes> {
+pub async fn read_limited(req: Request, limit: usize) -> ApiResult<Bytes> {
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,

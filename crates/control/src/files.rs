@@ -86,7 +86,7 @@ pub async fn write(
 ) -> ApiResult<Json<Value>> {
     let path = query_path(q)?;
     cp.running(&account, &id).await?;
-    let bytes = read_limited(request, &(), MAX_UPLOAD)
+    let bytes = read_limited(request, MAX_UPLOAD)
         .await
         .map_err(|e| match e.status {
             StatusCode::PAYLOAD_TOO_LARGE => {
