@@ -115,6 +115,32 @@ impl WarmShells {
     }
 }
 
+impl WarmShells {
+    /// Waits, at most `within`, until the pool is full and every shell in it
+    /// is blocked reading its script. A snapshot taken earlier catches a
+    /// shell half started, and every clone of it then finishes that start
+    /// (fork, exec, the dynamic linker) with a cold translation cache under
+    /// TCG: about as much guest code as the whole rest of a restore.
+    pub fn settle(&self, within: std::time::Duration) {
+        let give_up = std::time::Instant::now() + within;
+        let settled = || {
+            !self.refilling.load(Ordering::SeqCst)
+                && lock(&self.ready).iter().all(|shell| waits_for_script(shell.pid))
+        };
+        while !settled() && std::time::Instant::now() < give_up {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+}
+
+/// Whether `pid` sleeps in read(2): the one thing a warm shell does once it
+/// is ready. (`/proc/PID/syscall` starts with the number of the system call
+/// a sleeping process is in, or says `running`.)
+fn waits_for_script(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+        .is_ok_and(|call| call.split_whitespace().next() == Some("0"))
+}
+
 /// The script for `spec`, or None when it must take the cold path.
 fn script_for(spec: &ExecSpec) -> Option<String> {
     if spec.pty.is_some() || spec.stdin || spec.cmd.len() > MAX_SCRIPT || spec.cmd.contains('\0') {
@@ -199,6 +225,31 @@ mod tests {
             script_for(&spec).unwrap(),
             "export A='x y'; cd -- '/tmp/it'\\''s' || exit 1; echo \"$A\""
         );
+    }
+
+    #[test]
+    fn a_shell_blocked_reading_counts_as_waiting_and_a_busy_one_does_not() {
+        use std::process::{Command, Stdio};
+        let mut reading = Command::new("sh")
+            .args(["-c", "read line"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut busy = Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        let waited = (0..200).find(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            waits_for_script(reading.id() as i32)
+        });
+        let busy_seen_waiting = waits_for_script(busy.id() as i32);
+        for child in [&mut reading, &mut busy] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        assert!(waited.is_some(), "a shell in read(2) was never seen waiting");
+        assert!(!busy_seen_waiting, "a spinning shell was taken for a waiting one");
     }
 
     #[test]

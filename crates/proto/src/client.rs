@@ -596,7 +596,8 @@ impl AgentClient {
         .await
     }
 
-    /// Flushes the guest's filesystems.
+    /// Lets the agent's background work settle and flushes the guest's
+    /// filesystems: what a snapshot needs first.
     pub async fn sync(&self) -> Result<(), AgentError> {
         self.request_done(HostMsg::Sync).await
     }

@@ -154,7 +154,9 @@ pub enum HostMsg {
     },
     /// Creates a directory and its parents. Answered by `Done`.
     MakeDir { path: String },
-    /// Flushes guest filesystems (before a snapshot). Answered by `Done`.
+    /// Before a snapshot: lets the agent's own background work settle (a
+    /// warm shell still starting), then flushes guest filesystems. Answered
+    /// by `Done`.
     Sync,
     /// Answered by `Pong`.
     Ping,
