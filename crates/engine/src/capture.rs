@@ -16,6 +16,10 @@ use crate::vm::{Vm, VmInner, VmState};
 use crate::Engine;
 use serde_json::json;
 
+/// How long a capture waits for the guest agent to settle (it gives up on
+/// its own after two seconds).
+const SETTLE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(3);
+
 pub(crate) async fn capture(
     engine: &Engine,
     vm: &Vm,
@@ -67,11 +71,23 @@ async fn capture_into(
     };
     let src = source.memory_file.clone();
     let dst = memory_copy.clone();
-    tokio::task::spawn_blocking(move || memory::copy_sparse(&src, &dst))
-        .await
-        .expect("copy task does not panic")?;
-
+    let copy = tokio::task::spawn_blocking(move || memory::copy_sparse(&src, &dst));
     let was_running = inner.state == VmState::Running;
+    // Meanwhile the guest agent finishes its own background work (a warm
+    // shell still starting after the last exec): every clone would
+    // otherwise finish it again, with a cold translation cache under TCG.
+    let settle = async {
+        if was_running {
+            match tokio::time::timeout(SETTLE_DEADLINE, live.agent.settle()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(id = %vm.id, error = %e, "agent did not settle"),
+                Err(_) => tracing::debug!(id = %vm.id, "agent did not settle in time"),
+            }
+        }
+    };
+    let (copied, ()) = tokio::join!(copy, settle);
+    copied.expect("copy task does not panic")?;
+
     live.qmp.stop().await?;
     let paused = async {
         let proc_root = engine.config.proc_root.clone();

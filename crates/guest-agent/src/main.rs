@@ -50,8 +50,11 @@ usage: shoal-guest-agent [--init] [--port NAME | --device PATH | --connect SOCKE
 
 /// How long to sleep when the virtio port reads EOF (no host connected).
 const IDLE_POLL: Duration = Duration::from_millis(20);
-/// How long a `Sync` waits for the agent's own background work to settle.
+/// How long a `Sync` (before a template is saved) waits for the agent's own
+/// background work to settle.
 const SETTLE_WITHIN: Duration = Duration::from_secs(10);
+/// The same for `Settle`, which a fork point waits for.
+const SETTLE_BEFORE_FORK_WITHIN: Duration = Duration::from_secs(2);
 const REOPEN_DELAY: Duration = Duration::from_millis(500);
 
 /// Where the host is.
@@ -455,6 +458,13 @@ fn dispatch(agent: &Arc<Agent>, frame: Frame<HostMsg>) {
         }),
         HostMsg::MakeDir { path } => answer_later(agent, id, "mkdir", move || {
             files::make_dir(&path).map(|()| GuestMsg::Done)
+        }),
+        HostMsg::Settle => answer_later(agent, id, "settle", {
+            let agent = agent.clone();
+            move || {
+                agent.warm.settle(SETTLE_BEFORE_FORK_WITHIN);
+                Ok(GuestMsg::Done)
+            }
         }),
         HostMsg::Sync => answer_later(agent, id, "sync", {
             let agent = agent.clone();

@@ -125,7 +125,9 @@ impl WarmShells {
         let give_up = std::time::Instant::now() + within;
         let settled = || {
             !self.refilling.load(Ordering::SeqCst)
-                && lock(&self.ready).iter().all(|shell| waits_for_script(shell.pid))
+                && lock(&self.ready)
+                    .iter()
+                    .all(|shell| waits_for_script(shell.pid))
         };
         while !settled() && std::time::Instant::now() < give_up {
             std::thread::sleep(std::time::Duration::from_millis(5));
@@ -248,8 +250,14 @@ mod tests {
             let _ = child.kill();
             let _ = child.wait();
         }
-        assert!(waited.is_some(), "a shell in read(2) was never seen waiting");
-        assert!(!busy_seen_waiting, "a spinning shell was taken for a waiting one");
+        assert!(
+            waited.is_some(),
+            "a shell in read(2) was never seen waiting"
+        );
+        assert!(
+            !busy_seen_waiting,
+            "a spinning shell was taken for a waiting one"
+        );
     }
 
     #[test]

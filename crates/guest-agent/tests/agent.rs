@@ -623,3 +623,39 @@ async fn the_agent_exits_when_the_host_hangs_up() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The agent's `sh` children and whether each sleeps in read(2).
+fn warm_shells(agent_pid: u32) -> Vec<(u32, bool)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        if &stat[open + 1..close] != "sh" || fields.get(1) != Some(&agent_pid.to_string().as_str())
+        {
+            continue;
+        }
+        let syscall = std::fs::read_to_string(entry.path().join("syscall")).unwrap_or_default();
+        let pid = stat[..open].trim().parse().unwrap();
+        found.push((pid, syscall.split_whitespace().next() == Some("0")));
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settle_returns_once_the_warm_shells_wait_for_their_scripts() {
+    let (agent, client) = Agent::client().await;
+    let agent_pid = agent.0.child.id();
+    for _ in 0..3 {
+        // Each exec uses a warm shell; the pool refills after it ends.
+        assert_eq!(run(&client, "true").await.status.code, Some(0));
+        client.settle().await.unwrap();
+        let shells = warm_shells(agent_pid);
+        assert_eq!(shells.len(), 2, "{shells:?}");
+        assert!(shells.iter().all(|(_, waiting)| *waiting), "{shells:?}");
+    }
+}

@@ -15,7 +15,7 @@
 
 use crate::{
     asynchronous, encode, CallId, ErrorKind, FileStat, Frame, GuestMsg, HostMsg, ProtoError,
-    PtySize, MAX_CHUNK, PROTOCOL_VERSION, STREAM_WINDOW,
+    PtySize, MAX_CHUNK, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, STREAM_WINDOW,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -335,6 +335,7 @@ fn unexpected(msg: &GuestMsg) -> AgentError {
 pub struct AgentClient {
     inner: Arc<Inner>,
     agent_version: Arc<str>,
+    protocol: u32,
 }
 
 impl std::fmt::Debug for AgentClient {
@@ -373,11 +374,17 @@ impl AgentClient {
             next_id: AtomicU64::new(first_call_id()),
             reader,
         });
-        let agent_version = handshake(&inner, deadline).await?;
+        let (protocol, agent_version) = handshake(&inner, deadline).await?;
         Ok(AgentClient {
             inner,
             agent_version: agent_version.into(),
+            protocol,
         })
+    }
+
+    /// The protocol version the agent speaks, from its `Hello`.
+    pub fn protocol(&self) -> u32 {
+        self.protocol
     }
 
     /// The agent's crate version, from its `Hello`.
@@ -601,6 +608,15 @@ impl AgentClient {
     pub async fn sync(&self) -> Result<(), AgentError> {
         self.request_done(HostMsg::Sync).await
     }
+
+    /// Lets the agent's background work settle. An agent older than
+    /// protocol 2 has no such call and is not asked.
+    pub async fn settle(&self) -> Result<(), AgentError> {
+        if self.protocol < 2 {
+            return Ok(());
+        }
+        self.request_done(HostMsg::Settle).await
+    }
 }
 
 fn upload_answer(msg: GuestMsg) -> AgentError {
@@ -637,7 +653,8 @@ fn first_call_id() -> CallId {
     (nanos & ((1 << 52) - 1)) | 1
 }
 
-async fn handshake(inner: &Arc<Inner>, deadline: Duration) -> Result<String, AgentError> {
+/// Shakes hands; the agent's protocol version and crate version.
+async fn handshake(inner: &Arc<Inner>, deadline: Duration) -> Result<(u32, String), AgentError> {
     let give_up = tokio::time::Instant::now() + deadline;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut hello_ids = Vec::new();
@@ -692,12 +709,13 @@ async fn handshake(inner: &Arc<Inner>, deadline: Duration) -> Result<String, Age
     };
     remove_routes(inner, &hello_ids);
     let (protocol, agent_version) = answer;
-    if protocol != PROTOCOL_VERSION {
+    if !(OLDEST_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&protocol) {
         return Err(AgentError::Protocol(format!(
-            "agent {agent_version} speaks protocol {protocol}, this host speaks {PROTOCOL_VERSION}"
+            "agent {agent_version} speaks protocol {protocol}, this host speaks \
+             {OLDEST_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
         )));
     }
-    Ok(agent_version)
+    Ok((protocol, agent_version))
 }
 
 fn remove_routes(inner: &Inner, ids: &[CallId]) {
@@ -961,6 +979,32 @@ mod tests {
             agent.hello(PROTOCOL_VERSION + 1)
         );
         assert!(matches!(client, Err(AgentError::Protocol(_))));
+    }
+
+    #[tokio::test]
+    async fn an_agent_of_the_oldest_protocol_is_served_and_not_asked_to_settle() {
+        let (host, guest) = UnixStream::pair().unwrap();
+        let mut agent = FakeAgent { stream: guest };
+        let (client, ()) = tokio::join!(
+            AgentClient::connect(host),
+            agent.hello(OLDEST_PROTOCOL_VERSION)
+        );
+        let client = client.unwrap();
+        assert_eq!(client.protocol(), OLDEST_PROTOCOL_VERSION);
+        // Answered at once, without a frame the old agent could not read.
+        tokio::time::timeout(Duration::from_secs(1), client.settle())
+            .await
+            .expect("settle does not wait for an old agent")
+            .unwrap();
+        // The next frame the agent sees is the ping sent after it.
+        let ping = tokio::spawn({
+            let client = client.clone();
+            async move { client.ping().await }
+        });
+        let next = agent.recv().await;
+        assert!(matches!(next.msg, HostMsg::Ping), "{:?}", next.msg);
+        agent.send(next.id, GuestMsg::Pong, b"").await;
+        ping.await.unwrap().unwrap();
     }
 
     #[tokio::test]

@@ -51,8 +51,15 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 
 /// Bumped on any change to the messages or their meaning. The host refuses
-/// an agent that answers `Hello` with another version.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// an agent that answers `Hello` with a version outside
+/// [`OLDEST_PROTOCOL_VERSION`]..=[`PROTOCOL_VERSION`].
+///
+/// - 2: `Settle`.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The oldest agent protocol the host still speaks: snapshots and
+/// hibernated sandboxes keep the agent they were made with.
+pub const OLDEST_PROTOCOL_VERSION: u32 = 1;
 
 /// Name of the virtio-serial port the agent listens on
 /// (`/dev/virtio-ports/<name>` in the guest).
@@ -158,6 +165,9 @@ pub enum HostMsg {
     /// warm shell still starting), then flushes guest filesystems. Answered
     /// by `Done`.
     Sync,
+    /// Before a fork point: lets the agent's own background work settle, so
+    /// no clone inherits it half done. Answered by `Done`. Protocol 2.
+    Settle,
     /// Answered by `Pong`.
     Ping,
     /// The host stopped listening to this call (its handle was dropped):

@@ -23,8 +23,14 @@ pub struct Db {
 
 pub enum Kind {
     /// `path` is the database file, in the case's own `dir`.
-    Sqlite { dir: PathBuf, path: PathBuf },
-    Postgres { admin_url: String, name: String },
+    Sqlite {
+        dir: PathBuf,
+        path: PathBuf,
+    },
+    Postgres {
+        admin_url: String,
+        name: String,
+    },
 }
 
 impl Db {
