@@ -6,9 +6,10 @@
 
 use crate::errors::CallError;
 use shoal_proto::ErrorKind;
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::OnceLock;
 
 /// `_IOW('R', 0x03, int[2])` from <linux/random.h>.
 const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
@@ -53,12 +54,31 @@ fn set_clock(unix_time_ns: u64) -> Result<(), CallError> {
     Ok(())
 }
 
+/// `/dev/urandom`, opened at start, so it is open in every snapshot: a
+/// restore's identity call then skips the path walk and the device open,
+/// code each clone would otherwise translate afresh under TCG.
+static URANDOM: OnceLock<File> = OnceLock::new();
+
+/// Opens what `apply` needs ahead of time. Without it `apply` opens it then.
+pub fn prepare() {
+    if let Ok(file) = OpenOptions::new().write(true).open("/dev/urandom") {
+        let _ = URANDOM.set(file);
+    }
+}
+
 /// Mixes `entropy` into the kernel pool, credited in full, then reseeds.
 fn add_entropy(entropy: &[u8]) -> Result<(), CallError> {
-    let urandom = OpenOptions::new()
-        .write(true)
-        .open("/dev/urandom")
-        .map_err(|e| CallError::io(&e, "/dev/urandom"))?;
+    let opened;
+    let urandom = match URANDOM.get() {
+        Some(file) => file,
+        None => {
+            opened = OpenOptions::new()
+                .write(true)
+                .open("/dev/urandom")
+                .map_err(|e| CallError::io(&e, "/dev/urandom"))?;
+            &opened
+        }
+    };
     if !entropy.is_empty() {
         // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
         // built in u32 words so the buffer is aligned for the kernel.

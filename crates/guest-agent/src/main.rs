@@ -164,6 +164,7 @@ fn main() {
     });
     agent.threads.start();
     agent.warm.refill(&agent);
+    identity::prepare();
     loop {
         let outcome =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(&agent, &args)));
