@@ -104,7 +104,7 @@ pub fn run(
     // Closing our end of the stdin channel ends the stdin thread.
     *crate::calls::lock(&control.stdin) = None;
     agent.calls.finish(id, token);
-    agent.warm.refill(agent);
+    agent.warm.refill_after_exec(agent);
 }
 
 pub(crate) struct Child {

@@ -25,11 +25,13 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 /// Shells kept waiting: two, so back-to-back execs find one while the
 /// previous one's replacement is still starting. Refills start when an exec
-/// has ended, not when it starts, so they stay off its path.
+/// has ended, not when it starts, so they stay off its path (and
+/// [`REFILL_DELAY`] later while a shell is left).
 const POOL_SIZE: usize = 2;
 
 /// Longer commands take the cold path: the shell's `read` builtin reads
@@ -42,10 +44,20 @@ const BOOTSTRAP: &str = "__shoal_run() { eval \"$__shoal\"; }; __shoal_nl='\n'; 
 while IFS= read -r __shoal_line <&3 || [ -n \"$__shoal_line\" ]; do \
 __shoal=\"$__shoal$__shoal_line$__shoal_nl\"; __shoal_line=; done; exec 3<&-; __shoal_run";
 
+/// How long the refill after an exec waits while the pool still holds a
+/// shell. A sandbox whose one command has ended is often deleted within it
+/// (the sweep runner collects and deletes), and the shell started for it
+/// would have been work thrown away, on a host whose cores other guests
+/// need. An empty pool, a `Settle` and a `Sync` cut the wait short.
+const REFILL_DELAY: Duration = Duration::from_millis(250);
+
 #[derive(Default)]
 pub struct WarmShells {
     ready: Mutex<Vec<WarmShell>>,
     refilling: AtomicBool,
+    /// Set to make a waiting refill start at once.
+    hurry: Mutex<bool>,
+    hurried: Condvar,
 }
 
 struct WarmShell {
@@ -90,14 +102,39 @@ impl WarmShells {
 
     /// Starts shells on a background thread until the pool is full.
     pub fn refill(&self, agent: &Arc<Agent>) {
+        self.start_refill(agent, Duration::ZERO);
+    }
+
+    /// The refill once an exec has ended: at once if the pool is empty,
+    /// otherwise after [`REFILL_DELAY`].
+    pub fn refill_after_exec(&self, agent: &Arc<Agent>) {
+        let delay = if lock(&self.ready).is_empty() {
+            Duration::ZERO
+        } else {
+            REFILL_DELAY
+        };
+        self.start_refill(agent, delay);
+    }
+
+    fn start_refill(&self, agent: &Arc<Agent>, delay: Duration) {
         if self.refilling.swap(true, Ordering::SeqCst) {
+            if delay.is_zero() {
+                self.hurry();
+            }
             return;
         }
+        *lock(&self.hurry) = false;
         let agent = agent.clone();
         let started = std::thread::Builder::new()
             .name("warm-shells".into())
             .spawn(move || {
                 let warm = &agent.warm;
+                let hurry = lock(&warm.hurry);
+                drop(
+                    warm.hurried
+                        .wait_timeout_while(hurry, delay, |hurry| !*hurry)
+                        .map(|(guard, _)| guard),
+                );
                 while lock(&warm.ready).len() < POOL_SIZE {
                     match start(&agent) {
                         Ok(shell) => lock(&warm.ready).push(shell),
@@ -113,6 +150,12 @@ impl WarmShells {
             self.refilling.store(false, Ordering::SeqCst);
         }
     }
+
+    /// Makes a refill that waits start at once.
+    fn hurry(&self) {
+        *lock(&self.hurry) = true;
+        self.hurried.notify_all();
+    }
 }
 
 impl WarmShells {
@@ -121,16 +164,18 @@ impl WarmShells {
     /// shell half started, and every clone of it then finishes that start
     /// (fork, exec, the dynamic linker) with a cold translation cache under
     /// TCG: about as much guest code as the whole rest of a restore.
-    pub fn settle(&self, within: std::time::Duration) {
-        let give_up = std::time::Instant::now() + within;
+    pub fn settle(&self, within: Duration) {
+        let give_up = Instant::now() + within;
         let settled = || {
             !self.refilling.load(Ordering::SeqCst)
                 && lock(&self.ready)
                     .iter()
                     .all(|shell| waits_for_script(shell.pid))
         };
-        while !settled() && std::time::Instant::now() < give_up {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        while !settled() && Instant::now() < give_up {
+            // A refill that waits would otherwise start in a clone.
+            self.hurry();
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 }

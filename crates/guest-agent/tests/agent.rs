@@ -659,3 +659,29 @@ async fn settle_returns_once_the_warm_shells_wait_for_their_scripts() {
         assert!(shells.iter().all(|(_, waiting)| *waiting), "{shells:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_refill_after_an_exec_waits_while_a_shell_is_left() {
+    let (agent, client) = Agent::client().await;
+    let agent_pid = agent.0.child.id();
+    client.settle().await.unwrap();
+    assert_eq!(run(&client, "true").await.status.code, Some(0));
+    // A shell starts in a few milliseconds here; the refill waits 250.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let shells = warm_shells(agent_pid);
+    assert_eq!(shells.len(), 1, "{shells:?}");
+    let refilled = (0..200).find(|_| {
+        std::thread::sleep(Duration::from_millis(50));
+        let shells = warm_shells(agent_pid);
+        shells.len() == 2 && shells.iter().all(|(_, waiting)| *waiting)
+    });
+    assert!(refilled.is_some(), "{:?}", warm_shells(agent_pid));
+    // With the pool emptied by two execs at once, the refill does not wait.
+    let (a, b) = tokio::join!(run(&client, "sleep 0.3"), run(&client, "sleep 0.3"));
+    assert_eq!((a.status.code, b.status.code), (Some(0), Some(0)));
+    let refilled = (0..20).find(|_| {
+        std::thread::sleep(Duration::from_millis(10));
+        warm_shells(agent_pid).len() == 2
+    });
+    assert!(refilled.is_some(), "{:?}", warm_shells(agent_pid));
+}
