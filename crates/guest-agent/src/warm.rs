@@ -156,9 +156,7 @@ impl WarmShells {
         *lock(&self.hurry) = true;
         self.hurried.notify_all();
     }
-}
 
-impl WarmShells {
     /// Waits, at most `within`, until the pool is full and every shell in it
     /// is blocked reading its script. A snapshot taken earlier catches a
     /// shell half started, and every clone of it then finishes that start
