@@ -49,23 +49,47 @@ async fn run(client: &AgentClient, cmd: &str) -> shoal_proto::client::ExecOutput
     .unwrap()
 }
 
-/// Live (not zombie) processes whose process group is `pgid`.
-fn live_members(pgid: u32) -> Vec<String> {
+/// One process of the host as `/proc/PID/stat` shows it.
+struct Process {
+    dir: std::path::PathBuf,
+    /// The whole stat line.
+    stat: String,
+    pid: u32,
+    command: String,
+    /// The fields after the parenthesised command: state ppid pgrp ...
+    fields: Vec<String>,
+}
+
+fn processes() -> Vec<Process> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
             continue;
         };
-        // Fields after the parenthesised command: state ppid pgrp ...
-        let Some(after) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
             continue;
         };
-        let fields: Vec<&str> = after.split(' ').collect();
-        if fields.len() > 2 && fields[2] == pgid.to_string() && fields[0] != "Z" {
-            found.push(stat);
-        }
+        let Ok(pid) = stat[..open].trim().parse() else {
+            continue;
+        };
+        found.push(Process {
+            dir: entry.path(),
+            pid,
+            command: stat[open + 1..close].to_string(),
+            fields: stat[close + 2..].split(' ').map(str::to_string).collect(),
+            stat,
+        });
     }
     found
+}
+
+/// Live (not zombie) processes whose process group is `pgid`.
+fn live_members(pgid: u32) -> Vec<String> {
+    processes()
+        .into_iter()
+        .filter(|p| p.fields.len() > 2 && p.fields[2] == pgid.to_string() && p.fields[0] != "Z")
+        .map(|p| p.stat)
+        .collect()
 }
 
 fn kill_group(pgid: u32) {
@@ -626,24 +650,14 @@ async fn the_agent_exits_when_the_host_hangs_up() {
 
 /// The agent's `sh` children and whether each sleeps in read(2).
 fn warm_shells(agent_pid: u32) -> Vec<(u32, bool)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
-        if &stat[open + 1..close] != "sh" || fields.get(1) != Some(&agent_pid.to_string().as_str())
-        {
-            continue;
-        }
-        let syscall = std::fs::read_to_string(entry.path().join("syscall")).unwrap_or_default();
-        let pid = stat[..open].trim().parse().unwrap();
-        found.push((pid, syscall.split_whitespace().next() == Some("0")));
-    }
-    found
+    processes()
+        .into_iter()
+        .filter(|p| p.command == "sh" && p.fields.get(1) == Some(&agent_pid.to_string()))
+        .map(|p| {
+            let syscall = std::fs::read_to_string(p.dir.join("syscall")).unwrap_or_default();
+            (p.pid, syscall.split_whitespace().next() == Some("0"))
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
