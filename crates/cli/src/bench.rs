@@ -60,6 +60,25 @@ pub fn summary(samples: &[f64]) -> serde_json::Value {
     })
 }
 
+/// Runs `check` in the guest until it exits 0, or fails after `deadline`.
+async fn wait_until(
+    agent: &shoal_proto::client::AgentClient,
+    check: &str,
+    deadline: Duration,
+) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if agent.exec_collect(exec(check)).await?.status.code == Some(0) {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            start.elapsed() < deadline,
+            "`{check}` did not succeed in the guest within {deadline:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn round(v: f64) -> f64 {
     (v * 10.0).round() / 10.0
 }
@@ -129,11 +148,20 @@ async fn run(engine: &Engine, args: &EngineBenchArgs) -> Result<serde_json::Valu
     }
 
     // Fork a sandbox that is doing something: a Python process holding state.
+    // The forks start once that process is in its loop: a fork measured
+    // while the parent is still starting Python would count the parent's own
+    // start-up (under TCG about a second of CPU) as contention.
     agent
         .exec_collect(exec(
-            "nohup python3 -c 'import time\nn=0\nwhile True:\n    n+=1\n    time.sleep(0.01)' >/dev/null 2>&1 &",
+            "rm -f /tmp/bench-loop-running; nohup python3 -c 'import time\nopen(\"/tmp/bench-loop-running\", \"w\").close()\nn=0\nwhile True:\n    n+=1\n    time.sleep(0.01)' >/dev/null 2>&1 &",
         ))
         .await?;
+    wait_until(
+        &agent,
+        "test -e /tmp/bench-loop-running",
+        Duration::from_secs(60),
+    )
+    .await?;
     let mut fork_first_ms = Vec::new();
     let mut fork_all_ms = Vec::new();
     for _ in 0..args.fork_samples {

@@ -38,6 +38,10 @@ pub(crate) struct EngineArgs {
     /// Where images and baked templates are cached (default: the state dir).
     #[arg(long, env = "SHOAL_CACHE_DIR")]
     cache_dir: Option<PathBuf>,
+    /// Network namespaces kept prepared, so a create or a fork child does
+    /// not wait for one to be made.
+    #[arg(long, env = "SHOAL_NET_POOL_SIZE")]
+    net_pool_size: Option<usize>,
 }
 
 impl EngineArgs {
@@ -47,6 +51,9 @@ impl EngineArgs {
         config.qemu = self.qemu.clone();
         if let Some(cache) = &self.cache_dir {
             config.cache_dir = cache.clone();
+        }
+        if let Some(size) = self.net_pool_size {
+            config.net_pool_size = size;
         }
         config
     }
