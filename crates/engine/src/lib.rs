@@ -105,15 +105,25 @@ impl EngineConfig {
         if let Some(dir) = &self.fork_memory_dir {
             return dir.clone();
         }
+        self.shared_fork_memory_dir()
+            .unwrap_or_else(|| self.state_dir.join("captures"))
+    }
+
+    /// The default fork-memory directory under `/dev/shm`, shared by every
+    /// state directory's engine (each in a directory of its own), when that
+    /// is where fork memory goes.
+    fn shared_fork_memory_dir(&self) -> Option<PathBuf> {
         let shm = Path::new("/dev/shm");
-        if !shm.is_dir() {
-            return self.state_dir.join("captures");
+        if self.fork_memory_dir.is_some() || !shm.is_dir() {
+            return None;
         }
         use sha2::Digest;
-        let absolute =
-            std::fs::canonicalize(&self.state_dir).unwrap_or_else(|_| self.state_dir.clone());
-        let digest = sha2::Sha256::digest(absolute.as_os_str().as_encoded_bytes());
-        shm.join(format!("shoal-{}", &hex::encode(digest)[..12]))
+        let digest = sha2::Sha256::digest(self.absolute_state_dir().as_os_str().as_encoded_bytes());
+        Some(shm.join(format!("shoal-{}", &hex::encode(digest)[..12])))
+    }
+
+    fn absolute_state_dir(&self) -> PathBuf {
+        std::fs::canonicalize(&self.state_dir).unwrap_or_else(|_| self.state_dir.clone())
     }
 }
 
@@ -212,6 +222,12 @@ impl Engine {
         // QEMU processes a crashed run left are killed first (below), which
         // frees their namespaces; the pool reaps veths no engine holds.
         let hibernated = reap::reap_leftovers(&config.state_dir, &config.proc_root)?;
+        if let Some(own) = config.shared_fork_memory_dir() {
+            reap::claim_fork_memory_dir(&own, &config.absolute_state_dir())?;
+            if let Some(root) = own.parent() {
+                reap::reap_orphaned_fork_memory(root, &own);
+            }
+        }
         let dns = config.dns_upstream.unwrap_or_else(net::host_resolver);
         let net = net::NetPool::open(config.net_pool_size, dns)?;
         let engine = Engine {
@@ -879,6 +895,9 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.net.close();
+        if let Some(dir) = self.config.shared_fork_memory_dir() {
+            reap::release_fork_memory_dir(&dir);
+        }
     }
 }
 

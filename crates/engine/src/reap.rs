@@ -5,13 +5,70 @@
 //! group killed; then the directory goes. Hibernated VMs are kept and handed
 //! back to the engine. Half-written captures (`*.tmp`) and fork or hibernate
 //! captures that nothing needs any more are deleted; user snapshots stay.
+//!
+//! Fork memory lives outside the state directory (a RAM-backed directory
+//! named after it, see `EngineConfig::fork_memory_dir`), so that directory
+//! names its owner: an engine removes it when it closes with nothing left
+//! in it, and any engine removes those whose state directory is gone (an
+//! engine killed mid-fork whose state directory was then deleted would
+//! otherwise hold host RAM until reboot).
 
 use crate::error::{IoContext, Result};
 use crate::manifest::{Kind, Manifest};
 use crate::vm::{VmRecord, VmState, VM_FILE};
 use std::collections::HashSet;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+/// The file in a fork-memory directory that names the state directory it
+/// belongs to.
+const FORK_MEMORY_OWNER: &str = "state-dir";
+
+/// Marks `dir` (a fork-memory directory) as `state_dir`'s.
+pub(crate) fn claim_fork_memory_dir(dir: &Path, state_dir: &Path) -> Result<()> {
+    let owner = dir.join(FORK_MEMORY_OWNER);
+    std::fs::write(&owner, state_dir.as_os_str().as_encoded_bytes())
+        .io_context(|| format!("writing {}", owner.display()))
+}
+
+/// Removes the fork-memory directories under `root` (named `shoal-*`, other
+/// than `own`) whose owning state directory no longer exists, with whatever
+/// memory files they still hold. A directory that names no owner is left
+/// alone: it cannot be told from one an engine is opening right now.
+pub(crate) fn reap_orphaned_fork_memory(root: &Path, own: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        if dir == own || !entry.file_name().to_string_lossy().starts_with("shoal-") {
+            continue;
+        }
+        let Ok(owner) = std::fs::read(dir.join(FORK_MEMORY_OWNER)) else {
+            continue;
+        };
+        let state_dir = Path::new(std::ffi::OsStr::from_bytes(&owner));
+        if !state_dir.exists() {
+            tracing::info!(dir = %dir.display(), state_dir = %state_dir.display(), "reaping fork memory of a state directory that is gone");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+}
+
+/// Removes `dir` (this engine's fork-memory directory) if nothing but its
+/// owner file is left in it.
+pub(crate) fn release_fork_memory_dir(dir: &Path) {
+    let only_owner = std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .all(|entry| entry.file_name() == FORK_MEMORY_OWNER)
+    });
+    if only_owner {
+        let _ = std::fs::remove_file(dir.join(FORK_MEMORY_OWNER));
+        let _ = std::fs::remove_dir(dir);
+    }
+}
 
 /// Reaps leftovers under `state_dir`; returns the hibernated VMs to adopt.
 pub(crate) fn reap_leftovers(state_dir: &Path, proc_root: &Path) -> Result<Vec<VmRecord>> {
@@ -142,5 +199,52 @@ pub(crate) fn collect_captures(
         if !kept_memory.contains(&path) && !in_progress {
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fork_memory_of_a_state_dir_that_is_gone_is_reaped_and_nothing_else() {
+        let scratch = std::env::temp_dir().join(format!("shoal-reap-{}", std::process::id()));
+        let root = scratch.join("shm");
+        let live_state = scratch.join("live-state");
+        std::fs::create_dir_all(&live_state).unwrap();
+        let dir = |name: &str| {
+            let dir = root.join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("fork-1.memory"), b"pages").unwrap();
+            dir
+        };
+        let own = dir("shoal-own");
+        claim_fork_memory_dir(&own, &scratch.join("deleted-too")).unwrap();
+        let orphan = dir("shoal-orphan");
+        claim_fork_memory_dir(&orphan, &scratch.join("deleted-state")).unwrap();
+        let alive = dir("shoal-alive");
+        claim_fork_memory_dir(&alive, &live_state).unwrap();
+        let unclaimed = dir("shoal-unclaimed");
+        let other = dir("other-program");
+        claim_fork_memory_dir(&other, &scratch.join("deleted-state")).unwrap();
+
+        reap_orphaned_fork_memory(&root, &own);
+
+        assert!(!orphan.exists(), "the orphan's memory is freed");
+        for kept in [&own, &alive, &unclaimed, &other] {
+            assert!(
+                kept.join("fork-1.memory").exists(),
+                "{} kept",
+                kept.display()
+            );
+        }
+
+        // Released only once nothing but the owner file is left.
+        release_fork_memory_dir(&alive);
+        assert!(alive.exists());
+        std::fs::remove_file(alive.join("fork-1.memory")).unwrap();
+        release_fork_memory_dir(&alive);
+        assert!(!alive.exists());
+        std::fs::remove_dir_all(&scratch).unwrap();
     }
 }
