@@ -209,7 +209,6 @@ impl Engine {
             config.cache_dir.join("images"),
             config.state_dir.join("captures"),
             config.state_dir.join("vms"),
-            config.resolved_fork_memory_dir(),
         ] {
             std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;
         }
@@ -222,10 +221,19 @@ impl Engine {
         // QEMU processes a crashed run left are killed first (below), which
         // frees their namespaces; the pool reaps veths no engine holds.
         let hibernated = reap::reap_leftovers(&config.state_dir, &config.proc_root)?;
-        if let Some(own) = config.shared_fork_memory_dir() {
-            reap::claim_fork_memory_dir(&own, &config.absolute_state_dir())?;
-            if let Some(root) = own.parent() {
-                reap::reap_orphaned_fork_memory(root, &own);
+        // Made only now, under the state dir's lock and with its owner
+        // named at once: a directory without an owner is never reaped.
+        match config.shared_fork_memory_dir() {
+            Some(own) => {
+                reap::claim_fork_memory_dir(&own, &config.absolute_state_dir())?;
+                if let Some(root) = own.parent() {
+                    reap::reap_orphaned_fork_memory(root, &own);
+                }
+            }
+            None => {
+                let dir = config.resolved_fork_memory_dir();
+                std::fs::create_dir_all(&dir)
+                    .io_context(|| format!("creating {}", dir.display()))?;
             }
         }
         let dns = config.dns_upstream.unwrap_or_else(net::host_resolver);

@@ -25,8 +25,10 @@ use std::time::{Duration, Instant};
 /// belongs to.
 const FORK_MEMORY_OWNER: &str = "state-dir";
 
-/// Marks `dir` (a fork-memory directory) as `state_dir`'s.
+/// Makes `dir` (a fork-memory directory) if it is missing and marks it as
+/// `state_dir`'s.
 pub(crate) fn claim_fork_memory_dir(dir: &Path, state_dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).io_context(|| format!("creating {}", dir.display()))?;
     let owner = dir.join(FORK_MEMORY_OWNER);
     std::fs::write(&owner, state_dir.as_os_str().as_encoded_bytes())
         .io_context(|| format!("writing {}", owner.display()))
@@ -190,6 +192,10 @@ pub(crate) fn collect_captures(
         .flatten()
     {
         let path = entry.path();
+        // Only fork memory: the owner file stays.
+        if path.extension().is_none_or(|ext| ext != "memory") {
+            continue;
+        }
         let in_progress = captures_dir
             .join(format!(
                 "{}.tmp",
@@ -229,6 +235,14 @@ mod tests {
         claim_fork_memory_dir(&other, &scratch.join("deleted-state")).unwrap();
 
         reap_orphaned_fork_memory(&root, &own);
+        // The collector deletes fork memory no capture needs, never the owner.
+        let captures = scratch.join("captures");
+        std::fs::create_dir_all(&captures).unwrap();
+        std::fs::write(own.join("fork-2.memory"), b"pages").unwrap();
+        collect_captures(&captures, &own, HashSet::new());
+        assert!(!own.join("fork-2.memory").exists());
+        assert!(own.join(FORK_MEMORY_OWNER).exists());
+        std::fs::write(own.join("fork-1.memory"), b"pages").unwrap();
 
         assert!(!orphan.exists(), "the orphan's memory is freed");
         for kept in [&own, &alive, &unclaimed, &other] {
