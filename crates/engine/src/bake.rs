@@ -61,6 +61,7 @@ impl Engine {
         std::fs::create_dir_all(&template_dir)
             .io_context(|| format!("creating {}", template_dir.display()))?;
         let _bake_lock = lock_file(&template_dir.join("bake.lock"), true)?;
+        crate::reap::reap_unfinished_bakes(&self.config.proc_root, &template_dir);
         let artifacts = self
             .build_image(&spec, guest_agent, progress.clone())
             .await?;

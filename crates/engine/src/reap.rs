@@ -107,6 +107,28 @@ pub(crate) fn reap_leftovers(state_dir: &Path, proc_root: &Path) -> Result<Vec<V
     Ok(kept)
 }
 
+/// Kills the QEMU of every bake that died half-way in `template_dir` (a
+/// process whose command line names a `<hash>.tmp` directory there) and
+/// removes those directories. Called with the template's bake lock held, so
+/// no bake of it is running: a `shoal` killed mid-bake leaves its QEMU
+/// running, as every QEMU is in a process group of its own.
+pub(crate) fn reap_unfinished_bakes(proc_root: &Path, template_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(template_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        if !entry.file_name().to_string_lossy().ends_with(".tmp") || !dir.is_dir() {
+            continue;
+        }
+        for pid in qemu_pids_of(proc_root, &dir, None) {
+            tracing::info!(pid, dir = %dir.display(), "killing the QEMU of an unfinished bake");
+            kill_and_wait(proc_root, pid);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 /// Processes whose command line names `dir`: the recorded pid if it still
 /// does, or any other (a crash between spawn and writing the pid).
 fn qemu_pids_of(proc_root: &Path, dir: &Path, recorded: Option<u32>) -> Vec<u32> {
@@ -260,5 +282,61 @@ mod tests {
         release_fork_memory_dir(&alive);
         assert!(!alive.exists());
         std::fs::remove_dir_all(&scratch).unwrap();
+    }
+
+    #[test]
+    fn a_bake_left_half_way_loses_its_process_and_directory() {
+        use std::os::unix::process::{CommandExt, ExitStatusExt};
+        let template_dir =
+            std::env::temp_dir().join(format!("shoal-reap-bake-{}", std::process::id()));
+        let unfinished = template_dir.join("0123456789abcdef.tmp");
+        let finished = template_dir.join("fedcba9876543210");
+        std::fs::create_dir_all(&unfinished).unwrap();
+        std::fs::create_dir_all(&finished).unwrap();
+        std::fs::write(template_dir.join("current.tmp"), b"x").unwrap();
+        // Stands in for the bake's QEMU: its own process group, a command
+        // line naming the bake directory.
+        let spawn = |dir: &Path| {
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg("sleep 30; exit 0")
+                .arg(dir.join("qmp.sock"))
+                .process_group(0)
+                .spawn()
+                .unwrap()
+        };
+        let mut orphan = spawn(&unfinished);
+        let mut bystander = spawn(&finished);
+        // Until the shell has exec'd, its command line is still ours.
+        assert!(wait_for_cmdline(orphan.id(), &unfinished));
+
+        reap_unfinished_bakes(Path::new("/proc"), &template_dir);
+
+        assert!(
+            orphan.wait().unwrap().signal().is_some(),
+            "the bake's process is killed"
+        );
+        assert!(!unfinished.exists());
+        assert!(
+            bystander.try_wait().unwrap().is_none(),
+            "other processes are left alone"
+        );
+        assert!(finished.exists() && template_dir.join("current.tmp").exists());
+        bystander.kill().unwrap();
+        bystander.wait().unwrap();
+        std::fs::remove_dir_all(&template_dir).unwrap();
+    }
+
+    fn wait_for_cmdline(pid: u32, dir: &Path) -> bool {
+        let needle = format!("{}/", dir.display());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&needle) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        false
     }
 }
