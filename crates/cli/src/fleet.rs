@@ -9,6 +9,9 @@ use shoal_fleet::report::{Identity, Reporter};
 use shoal_store::Store;
 use std::sync::Arc;
 
+/// How long `shoal agent` waits for a front that does not answer yet.
+const REGISTER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(300);
+
 #[derive(clap::Args)]
 pub struct ServerArgs {
     /// The fleet's database (PostgreSQL), shared with the agents.
@@ -98,10 +101,14 @@ pub async fn agent(args: AgentArgs) -> Result<()> {
     let database_url = match &args.database_url {
         Some(url) => url.clone(),
         None => {
-            shoal_fleet::report::fetch_config(&args.control_plane, &args.fleet_token)
-                .await
-                .context("registering with the control plane")?
-                .database_url
+            shoal_fleet::report::fetch_config_patiently(
+                &args.control_plane,
+                &args.fleet_token,
+                REGISTER_PATIENCE,
+            )
+            .await
+            .context("registering with the control plane")?
+            .database_url
         }
     };
     let listener = tokio::net::TcpListener::bind(&args.listen)

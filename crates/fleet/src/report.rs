@@ -184,6 +184,32 @@ pub async fn fetch_config(
         .map_err(|source| ReportError::Unreachable { url, source })
 }
 
+/// [`fetch_config`], retried while the front cannot be reached, for at most
+/// `patience`. Agents and fronts start in any order (a host that boots before
+/// the front, a front restarting): an agent waits for its front as `slurmd`
+/// waits for `slurmctld`, rather than exiting on the first refused
+/// connection. A front that answers with a refusal (a wrong fleet token) is
+/// not retried.
+pub async fn fetch_config_patiently(
+    control_plane: &str,
+    fleet_token: &str,
+    patience: std::time::Duration,
+) -> Result<FleetConfig, ReportError> {
+    use std::time::{Duration, Instant};
+    let give_up = Instant::now() + patience;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match fetch_config(control_plane, fleet_token).await {
+            Err(e @ ReportError::Unreachable { .. }) if Instant::now() + pause < give_up => {
+                tracing::warn!(error = %e, "waiting for the control plane");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            done => return done,
+        }
+    }
+}
+
 /// Sends a request to a front; an answer other than 2xx is a refusal.
 async fn send(
     request: reqwest::RequestBuilder,
@@ -203,4 +229,75 @@ async fn send(
         });
     }
     Ok(answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// A port nothing listens on yet, and a front that starts there after
+    /// `delay` and answers `status` with a fleet configuration.
+    async fn front_after(delay: Duration, status: u16) -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+                .await
+                .unwrap();
+            let config = FleetConfig {
+                database_url: "postgres://fleet".into(),
+                heartbeat_interval_s: 2,
+                stale_after_s: 6,
+            };
+            let app = axum::Router::new().route(
+                "/v1/fleet/config",
+                axum::routing::get(move || async move {
+                    (
+                        axum::http::StatusCode::from_u16(status).unwrap(),
+                        axum::Json(config),
+                    )
+                }),
+            );
+            axum::serve(listener, app).await.unwrap();
+        });
+        format!("http://127.0.0.1:{port}")
+    }
+
+    #[tokio::test]
+    async fn an_agent_started_before_its_front_waits_for_it() {
+        let front = front_after(Duration::from_millis(700), 200).await;
+        assert!(matches!(
+            fetch_config(&front, "t").await,
+            Err(ReportError::Unreachable { .. })
+        ));
+        let config = fetch_config_patiently(&front, "t", Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(config.database_url, "postgres://fleet");
+    }
+
+    #[tokio::test]
+    async fn a_refusal_or_a_front_that_never_comes_ends_the_wait() {
+        let refusing = front_after(Duration::ZERO, 401).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let start = Instant::now();
+        assert!(matches!(
+            fetch_config_patiently(&refusing, "t", Duration::from_secs(30)).await,
+            Err(ReportError::Refused { .. })
+        ));
+        assert!(start.elapsed() < Duration::from_secs(5));
+
+        let absent = front_after(Duration::from_secs(3600), 200).await;
+        let start = Instant::now();
+        assert!(matches!(
+            fetch_config_patiently(&absent, "t", Duration::from_secs(1)).await,
+            Err(ReportError::Unreachable { .. })
+        ));
+        assert!(start.elapsed() < Duration::from_secs(3));
+    }
 }
