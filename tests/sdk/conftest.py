@@ -11,6 +11,7 @@ Environment:
   SHOAL_STATE_DIR       state dir of the main server (default: a fresh temp dir)
   SHOAL_DATABASE_URL    database of the main server (default: a SQLite file in the temp dir)
   SHOAL_CACHE_DIR       passed as --cache-dir when set (where baked templates live)
+  SHOAL_GUEST_AGENT     read by `shoal up` itself: the guest agent to bake (scripts/test sets it)
   SHOAL_STARTUP_TIMEOUT seconds to wait for /healthz (default 300)
   SHOAL_KEEP_TMP=1      keep the temp dir (server logs) even when every test passed
 """

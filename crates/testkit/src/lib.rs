@@ -55,10 +55,26 @@ pub fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/lib/shoal"))
 }
 
-/// The release build of the guest agent, built once per test binary.
+/// The guest agent the tests bake into templates: `SHOAL_GUEST_AGENT` when
+/// set, else the release build, built once per test binary.
+///
+/// `scripts/test` sets `SHOAL_GUEST_AGENT` to the agent it baked before the
+/// suites ran. Building here instead would give another binary:
+/// `cargo build -p shoal-guest-agent` resolves the agent's dependency
+/// features without the workspace's dev-dependencies, so every CI run baked
+/// both templates a second time, in the middle of the first test.
 pub fn guest_agent() -> &'static Path {
     static AGENT: OnceLock<PathBuf> = OnceLock::new();
     AGENT.get_or_init(|| {
+        if let Some(given) = std::env::var_os("SHOAL_GUEST_AGENT") {
+            let given = PathBuf::from(given);
+            assert!(
+                given.is_file(),
+                "SHOAL_GUEST_AGENT names no file: {}",
+                given.display()
+            );
+            return given;
+        }
         let root = workspace_root();
         let status = std::process::Command::new(env!("CARGO"))
             .args(["build", "--release", "--quiet", "-p", "shoal-guest-agent"])
