@@ -239,11 +239,7 @@ mod tests {
     /// A port nothing listens on yet, and a front that starts there after
     /// `delay` and answers `status` with a fleet configuration.
     async fn front_after(delay: Duration, status: u16) -> String {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = shoal_testkit::free_port();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
             let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
