@@ -8,23 +8,34 @@
 //! up yet, or any policy about what to run; the VM engine does that.
 //!
 //! Two background tasks serve one [`AgentClient`]: a reader that routes each
-//! frame by id to the per-call channel (frames for ids nobody waits for are
+//! frame by id to the per-call inbox (frames for ids nobody waits for are
 //! dropped), and a writer that owns the write half. Every frame is queued to
 //! that writer whole, so frames never interleave and a caller that gives up
 //! half-way (a dropped future) can never leave half a frame on the stream.
+//!
+//! The agent is untrusted (a tenant is root in its VM and can replace it), so
+//! nothing it sends is buffered without a bound. A call's inbox holds at most
+//! [`STREAM_WINDOW`] bytes of stream payload: the credit the host granted and
+//! has not had returned. An agent that sends past that credit broke the
+//! protocol on purpose or by a bug, and the host drops the whole connection
+//! (every call fails, [`AgentClient::broken`] says why) rather than buffer
+//! it. Other frames are bounded by count ([`MAX_QUEUED_FRAMES`], small
+//! consecutive chunks of one stream are merged first); past it only that call
+//! fails. Whole-output helpers ([`AgentClient::exec_collect`],
+//! [`AgentClient::read_file_to_vec`]) keep at most a limit in memory.
 
 use crate::{
     asynchronous, encode, CallId, ErrorKind, FileStat, Frame, GuestMsg, HostMsg, ProtoError,
     PtySize, MAX_CHUNK, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, STREAM_WINDOW,
 };
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
 
 /// How long [`AgentClient::connect`] waits for the agent's `Hello`.
@@ -41,6 +52,31 @@ const CREDIT_BATCH: u64 = STREAM_WINDOW / 4;
 /// Bytes of bulk (upload and stdin) frames queued for the writer before
 /// callers wait; control frames are never held back.
 const BULK_QUEUE_BYTES: usize = 2 * 1024 * 1024;
+
+/// Frames one call may have queued and not yet taken. An honest agent sends
+/// a call at most two frames besides its stream, and stream chunks of one
+/// kind merge in the inbox, so only a stalled caller of an exec whose output
+/// alternates stdout and stderr in tiny writes comes near it; past it that
+/// call fails (the connection stays).
+pub const MAX_QUEUED_FRAMES: usize = 16 * 1024;
+
+/// What [`AgentClient::exec_collect`] and [`AgentClient::read_file_to_vec`]
+/// keep in memory per stream or file unless `SHOAL_EXEC_OUTPUT_LIMIT` (bytes)
+/// says otherwise.
+pub const DEFAULT_OUTPUT_LIMIT: usize = 16 << 20;
+
+/// The per-stream limit of the whole-output helpers: `SHOAL_EXEC_OUTPUT_LIMIT`
+/// (a byte count, read once) or [`DEFAULT_OUTPUT_LIMIT`].
+pub fn output_limit() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        std::env::var("SHOAL_EXEC_OUTPUT_LIMIT")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(DEFAULT_OUTPUT_LIMIT)
+    })
+}
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +96,9 @@ pub enum AgentError {
     /// The agent did not answer in time.
     #[error("agent did not answer in time")]
     Timeout,
+    /// What the agent sent is more than the caller keeps in memory.
+    #[error("more than {limit} bytes")]
+    TooLarge { limit: usize },
 }
 
 impl AgentError {
@@ -146,22 +185,193 @@ pub enum ExecEvent {
     Exit(ExitStatus),
 }
 
-/// Everything an exec printed, and how it ended.
+/// What an exec printed (each stream up to a limit, from its start), and
+/// how it ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecOutput {
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
     pub status: ExitStatus,
+    /// The command printed more on stdout than was kept.
+    pub stdout_truncated: bool,
+    /// The command printed more on stderr than was kept.
+    pub stderr_truncated: bool,
 }
 
-type Route = mpsc::UnboundedSender<Frame<GuestMsg>>;
+/// The first `limit` bytes of a stream; the rest is counted and dropped.
+struct Capped {
+    bytes: Vec<u8>,
+    limit: usize,
+    truncated: bool,
+}
+
+impl Capped {
+    fn new(limit: usize) -> Self {
+        Capped {
+            bytes: Vec::new(),
+            limit,
+            truncated: false,
+        }
+    }
+
+    fn push(&mut self, chunk: &[u8]) {
+        let room = self.limit - self.bytes.len();
+        let take = chunk.len().min(room);
+        if take < chunk.len() {
+            self.truncated = true;
+        }
+        if take == 0 {
+            return;
+        }
+        let needed = self.bytes.len() + take;
+        if needed > self.bytes.capacity() {
+            // Doubling as usual, but never past the limit.
+            let target = needed.max(self.bytes.capacity() * 2).min(self.limit);
+            self.bytes.reserve_exact(target - self.bytes.len());
+        }
+        self.bytes.extend_from_slice(&chunk[..take]);
+    }
+}
+
+/// Why the reader refused a frame.
+enum Refused {
+    /// The agent sent stream payload past the credit it was granted: the
+    /// connection goes.
+    Credit(String),
+    /// The call's queue is full: that call fails.
+    Full,
+}
+
+/// The frames routed to one call and not yet taken, bounded (see the
+/// module doc). Only the call's owner takes from it.
+#[derive(Default)]
+struct Inbox {
+    state: Mutex<InboxState>,
+    ready: Notify,
+    /// Stays open after a terminal frame: the handshake's, shared by every
+    /// `Hello` it sent, where a stale answer must not end the wait.
+    shared: bool,
+}
+
+#[derive(Default)]
+struct InboxState {
+    frames: VecDeque<Frame<GuestMsg>>,
+    /// Nothing more will come: the call ended or the connection closed.
+    closed: bool,
+    /// The call failed on the host's side (its queue overflowed).
+    failed: Option<String>,
+    /// Stream payload received and not yet credited back.
+    unacked: u64,
+}
+
+fn stream_kind(msg: &GuestMsg) -> bool {
+    matches!(msg, GuestMsg::Stdout | GuestMsg::Stderr | GuestMsg::Data)
+}
+
+impl Inbox {
+    fn state(&self) -> MutexGuard<'_, InboxState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a frame from the reader.
+    fn push(&self, frame: Frame<GuestMsg>) -> Result<(), Refused> {
+        let mut state = self.state();
+        if state.closed || state.failed.is_some() {
+            return Ok(());
+        }
+        if stream_kind(&frame.msg) {
+            state.unacked += frame.payload.len() as u64;
+            if state.unacked > STREAM_WINDOW {
+                return Err(Refused::Credit(format!(
+                    "the agent sent {} bytes of call {}'s stream past the {STREAM_WINDOW} \
+                     bytes of credit it had",
+                    state.unacked - STREAM_WINDOW,
+                    frame.id
+                )));
+            }
+            if let Some(back) = state.frames.back_mut() {
+                if back.msg == frame.msg && back.payload.len() + frame.payload.len() <= MAX_CHUNK {
+                    back.payload.extend_from_slice(&frame.payload);
+                    self.ready.notify_one();
+                    return Ok(());
+                }
+            }
+        }
+        if state.frames.len() >= MAX_QUEUED_FRAMES {
+            state.frames = VecDeque::new();
+            state.failed = Some(format!(
+                "the agent queued more than {MAX_QUEUED_FRAMES} frames for one call"
+            ));
+            self.ready.notify_one();
+            return Err(Refused::Full);
+        }
+        if frame.msg.is_terminal() && !self.shared {
+            state.closed = true;
+        }
+        state.frames.push_back(frame);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    fn close(&self) {
+        self.state().closed = true;
+        self.ready.notify_one();
+    }
+
+    /// Credit for `bytes` goes back to the agent: called before the
+    /// `Credit` frame is queued, so the agent can never be ahead of it.
+    fn credited(&self, bytes: u64) {
+        let mut state = self.state();
+        state.unacked = state.unacked.saturating_sub(bytes);
+    }
+
+    /// The next frame; `None` once nothing more will come.
+    async fn recv(&self) -> Option<Result<Frame<GuestMsg>, AgentError>> {
+        loop {
+            {
+                let mut state = self.state();
+                if let Some(frame) = state.frames.pop_front() {
+                    return Some(Ok(frame));
+                }
+                if let Some(why) = &state.failed {
+                    return Some(Err(AgentError::Protocol(why.clone())));
+                }
+                if state.closed {
+                    return None;
+                }
+            }
+            // A notification between the check and here is kept as a permit.
+            self.ready.notified().await;
+        }
+    }
+
+    fn try_recv(&self) -> Option<Result<Frame<GuestMsg>, AgentError>> {
+        let mut state = self.state();
+        if let Some(frame) = state.frames.pop_front() {
+            return Some(Ok(frame));
+        }
+        if let Some(why) = &state.failed {
+            return Some(Err(AgentError::Protocol(why.clone())));
+        }
+        None
+    }
+
+    fn is_closed(&self) -> bool {
+        let state = self.state();
+        state.frames.is_empty() && state.closed
+    }
+}
+
+type Route = Arc<Inbox>;
 
 /// Which call waits for which id. `closed` makes new calls fail at once
-/// after the connection ended, instead of waiting forever.
+/// after the connection ended, instead of waiting forever; `broken` says why
+/// the host dropped an agent that broke the protocol.
 #[derive(Default)]
 struct Routes {
     by_id: HashMap<CallId, Route>,
     closed: bool,
+    broken: Option<String>,
 }
 
 type SharedRoutes = Arc<Mutex<Routes>>;
@@ -219,6 +429,15 @@ impl Drop for Inner {
 }
 
 impl Inner {
+    /// Why calls end now that the connection has: `Closed`, or a protocol
+    /// error naming what the agent broke.
+    fn closed_error(&self) -> AgentError {
+        match &lock(&self.routes).broken {
+            Some(why) => AgentError::Protocol(why.clone()),
+            None => AgentError::Closed,
+        }
+    }
+
     fn fresh_id(&self) -> CallId {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
@@ -226,17 +445,20 @@ impl Inner {
     /// Registers a route for a new id, then sends the call's first frame.
     fn start(self: &Arc<Self>, msg: HostMsg, payload: Vec<u8>) -> Result<Call, AgentError> {
         let id = self.fresh_id();
-        let (tx, rx) = mpsc::unbounded_channel();
+        let inbox = Arc::new(Inbox::default());
         {
             let mut routes = lock(&self.routes);
             if routes.closed {
-                return Err(AgentError::Closed);
+                return Err(match &routes.broken {
+                    Some(why) => AgentError::Protocol(why.clone()),
+                    None => AgentError::Closed,
+                });
             }
-            routes.by_id.insert(id, tx);
+            routes.by_id.insert(id, inbox.clone());
         }
         let call = Call {
             id,
-            rx,
+            inbox,
             inner: self.clone(),
             finished: false,
             cancel_on_drop: false,
@@ -250,7 +472,7 @@ impl Inner {
 /// removes the route (and, for streams, tells the agent to stop).
 struct Call {
     id: CallId,
-    rx: mpsc::UnboundedReceiver<Frame<GuestMsg>>,
+    inbox: Arc<Inbox>,
     inner: Arc<Inner>,
     finished: bool,
     cancel_on_drop: bool,
@@ -261,7 +483,10 @@ impl Call {
         if self.finished {
             return Err(AgentError::Closed);
         }
-        let frame = self.rx.recv().await.ok_or(AgentError::Closed)?;
+        let frame = match self.inbox.recv().await {
+            Some(frame) => frame?,
+            None => return Err(self.inner.closed_error()),
+        };
         if frame.msg.is_terminal() {
             self.finished = true;
         }
@@ -270,15 +495,16 @@ impl Call {
 
     /// A frame that already arrived, without waiting.
     fn try_recv(&mut self) -> Result<Option<Frame<GuestMsg>>, AgentError> {
-        match self.rx.try_recv() {
-            Ok(frame) => {
+        match self.inbox.try_recv() {
+            Some(frame) => {
+                let frame = frame?;
                 if frame.msg.is_terminal() {
                     self.finished = true;
                 }
                 Ok(Some(frame))
             }
-            Err(mpsc::error::TryRecvError::Empty) => Ok(None),
-            Err(mpsc::error::TryRecvError::Disconnected) => Err(AgentError::Closed),
+            None if self.inbox.is_closed() => Err(self.inner.closed_error()),
+            None => Ok(None),
         }
     }
 
@@ -313,9 +539,11 @@ impl CreditReturn {
     fn consumed(&mut self, call: &Call, bytes: usize) -> Result<(), AgentError> {
         self.unreturned += bytes as u64;
         if self.unreturned >= CREDIT_BATCH {
+            call.inbox.credited(self.unreturned);
             call.send(HostMsg::Credit {
                 bytes: self.unreturned,
-            })?;
+            })
+            .map_err(|_| call.inner.closed_error())?;
             self.unreturned = 0;
         }
         Ok(())
@@ -363,8 +591,14 @@ impl AgentClient {
         let (read_half, write_half) = stream.into_split();
         let routes: SharedRoutes = Arc::default();
         let (queue, queue_rx) = mpsc::unbounded_channel();
-        tokio::spawn(write_loop(write_half, queue_rx, routes.clone()));
-        let reader = tokio::spawn(read_loop(read_half, routes.clone())).abort_handle();
+        let reader_gone = Arc::new(Notify::new());
+        tokio::spawn(write_loop(
+            write_half,
+            queue_rx,
+            routes.clone(),
+            reader_gone.clone(),
+        ));
+        let reader = tokio::spawn(read_loop(read_half, routes.clone(), reader_gone)).abort_handle();
         let inner = Arc::new(Inner {
             outbox: Outbox {
                 queue,
@@ -392,9 +626,16 @@ impl AgentClient {
         &self.agent_version
     }
 
-    /// Whether the connection has ended (every call now fails with `Closed`).
+    /// Whether the connection has ended (every call now fails with `Closed`,
+    /// or with a protocol error when the agent broke the protocol).
     pub fn is_closed(&self) -> bool {
         lock(&self.inner.routes).closed
+    }
+
+    /// Why the host dropped this connection, when the agent broke the
+    /// protocol (stream payload past its credit).
+    pub fn broken(&self) -> Option<String> {
+        lock(&self.inner.routes).broken.clone()
     }
 
     /// Sends one message and waits for its single answer.
@@ -470,20 +711,34 @@ impl AgentClient {
         }
     }
 
-    /// Runs a command to its end and collects all its output in memory.
+    /// Runs a command to its end and collects its output in memory, at most
+    /// [`output_limit`] bytes of each stream (the rest is read and dropped,
+    /// so the command ends as usual; the output says it was truncated).
     pub async fn exec_collect(&self, req: ExecRequest) -> Result<ExecOutput, AgentError> {
+        self.exec_collect_limited(req, output_limit()).await
+    }
+
+    /// [`AgentClient::exec_collect`] keeping at most `limit` bytes of each
+    /// stream.
+    pub async fn exec_collect_limited(
+        &self,
+        req: ExecRequest,
+        limit: usize,
+    ) -> Result<ExecOutput, AgentError> {
         let mut handle = self.exec(req).await?;
-        let mut stdout = Vec::new();
-        let mut stderr = Vec::new();
+        let mut stdout = Capped::new(limit);
+        let mut stderr = Capped::new(limit);
         loop {
             match handle.next_event().await? {
-                ExecEvent::Stdout(chunk) => stdout.extend_from_slice(&chunk),
-                ExecEvent::Stderr(chunk) => stderr.extend_from_slice(&chunk),
+                ExecEvent::Stdout(chunk) => stdout.push(&chunk),
+                ExecEvent::Stderr(chunk) => stderr.push(&chunk),
                 ExecEvent::Exit(status) => {
                     return Ok(ExecOutput {
-                        stdout,
-                        stderr,
+                        stdout: stdout.bytes,
+                        stderr: stderr.bytes,
                         status,
+                        stdout_truncated: stdout.truncated,
+                        stderr_truncated: stderr.truncated,
                     })
                 }
             }
@@ -508,15 +763,33 @@ impl AgentClient {
         }
     }
 
-    /// Reads a whole guest file into memory.
+    /// Reads a whole guest file into memory; a file of more than
+    /// [`output_limit`] bytes is [`AgentError::TooLarge`].
     pub async fn read_file_to_vec(&self, path: &str) -> Result<Vec<u8>, AgentError> {
+        self.read_file_to_vec_limited(path, output_limit()).await
+    }
+
+    /// Reads a whole guest file of at most `limit` bytes into memory; a
+    /// longer one (whatever size the agent announced) stops the download
+    /// with [`AgentError::TooLarge`].
+    pub async fn read_file_to_vec_limited(
+        &self,
+        path: &str,
+        limit: usize,
+    ) -> Result<Vec<u8>, AgentError> {
         let mut download = self.read_file(path).await?;
-        let mut out =
-            Vec::with_capacity(usize::try_from(download.size()).unwrap_or(0).min(1 << 26));
-        while let Some(chunk) = download.next_chunk().await? {
-            out.extend_from_slice(&chunk);
+        if download.size() > limit as u64 {
+            return Err(AgentError::TooLarge { limit });
         }
-        Ok(out)
+        let mut out = Capped::new(limit);
+        out.bytes.reserve_exact(download.size() as usize);
+        while let Some(chunk) = download.next_chunk().await? {
+            out.push(&chunk);
+            if out.truncated {
+                return Err(AgentError::TooLarge { limit });
+            }
+        }
+        Ok(out.bytes)
     }
 
     /// Creates or truncates a guest file (and its parents) with `mode`
@@ -549,11 +822,16 @@ impl AgentClient {
             // never give.
             let frame = Frame::with_payload(call.id, HostMsg::Data, chunk[..filled].to_vec());
             let inner = call.inner.clone();
+            let inbox = call.inbox.clone();
             tokio::select! {
                 sent = inner.outbox.send_bulk(&frame) => sent?,
-                answer = call.rx.recv() => {
+                answer = inbox.recv() => {
                     call.finished = true;
-                    return Err(answer.map_or(AgentError::Closed, |f| upload_answer(f.msg)));
+                    return Err(match answer {
+                        Some(Ok(frame)) => upload_answer(frame.msg),
+                        Some(Err(e)) => e,
+                        None => inner.closed_error(),
+                    });
                 }
             }
             total += filled as u64;
@@ -656,7 +934,11 @@ fn first_call_id() -> CallId {
 /// Shakes hands; the agent's protocol version and crate version.
 async fn handshake(inner: &Arc<Inner>, deadline: Duration) -> Result<(u32, String), AgentError> {
     let give_up = tokio::time::Instant::now() + deadline;
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    // One inbox for every Hello sent: the first answer to any of them counts.
+    let inbox = Arc::new(Inbox {
+        shared: true,
+        ..Inbox::default()
+    });
     let mut hello_ids = Vec::new();
     let answer = loop {
         let id = inner.fresh_id();
@@ -665,7 +947,7 @@ async fn handshake(inner: &Arc<Inner>, deadline: Duration) -> Result<(u32, Strin
             if routes.closed {
                 return Err(AgentError::Closed);
             }
-            routes.by_id.insert(id, tx.clone());
+            routes.by_id.insert(id, inbox.clone());
         }
         hello_ids.push(id);
         inner.outbox.send(&Frame::new(
@@ -677,25 +959,25 @@ async fn handshake(inner: &Arc<Inner>, deadline: Duration) -> Result<(u32, Strin
         let retry_at = (tokio::time::Instant::now() + HELLO_RETRY).min(give_up);
         let waited = tokio::time::timeout_at(retry_at, async {
             loop {
-                match rx.recv().await {
-                    Some(Frame {
+                match inbox.recv().await {
+                    Some(Ok(Frame {
                         msg:
                             GuestMsg::Hello {
                                 protocol,
                                 agent_version,
                             },
                         ..
-                    }) => return Some((protocol, agent_version)),
+                    })) => return Some((protocol, agent_version)),
                     // A stale answer under a colliding id: keep waiting.
-                    Some(_) => continue,
-                    None => return None,
+                    Some(Ok(_)) => continue,
+                    Some(Err(_)) | None => return None,
                 }
             }
         })
         .await;
         match waited {
             Ok(Some(answer)) => break answer,
-            Ok(None) => return Err(AgentError::Closed),
+            Ok(None) => return Err(inner.closed_error()),
             Err(_) if retry_at >= give_up => {
                 remove_routes(inner, &hello_ids);
                 return Err(if lock(&inner.routes).closed {
@@ -725,51 +1007,88 @@ fn remove_routes(inner: &Inner, ids: &[CallId]) {
     }
 }
 
-async fn read_loop(read_half: OwnedReadHalf, routes: SharedRoutes) {
+async fn read_loop(read_half: OwnedReadHalf, routes: SharedRoutes, gone: Arc<Notify>) {
     let mut reader = BufReader::with_capacity(2 * MAX_CHUNK, read_half);
-    loop {
+    let broken = loop {
         match asynchronous::read_frame::<GuestMsg, _>(&mut reader).await {
-            Ok(frame) => route(&routes, frame),
+            Ok(frame) => {
+                if let Err(why) = route(&routes, frame) {
+                    break Some(why);
+                }
+            }
             // The reader resyncs on the next magic; one bad frame is not fatal.
             Err(
                 ProtoError::BadHeader(_)
                 | ProtoError::HeaderTooLarge(_)
                 | ProtoError::PayloadTooLarge(_),
             ) => continue,
-            Err(ProtoError::Closed | ProtoError::Io(_)) => break,
+            Err(ProtoError::Closed | ProtoError::Io(_)) => break None,
         }
+    };
+    if let Some(why) = broken {
+        lock(&routes).broken = Some(why);
     }
     close(&routes);
+    // The writer drops its half too, so the socket closes and the agent
+    // (or QEMU's chardev) sees the host hang up.
+    gone.notify_one();
 }
 
-fn route(routes: &Mutex<Routes>, frame: Frame<GuestMsg>) {
+/// Hands a frame to the call that waits for it. `Err` when the agent broke
+/// the flow-control contract and the connection must go.
+fn route(routes: &Mutex<Routes>, frame: Frame<GuestMsg>) -> Result<(), String> {
     let mut routes = lock(routes);
     let id = frame.id;
     let terminal = frame.msg.is_terminal();
-    if let Some(route) = routes.by_id.get(&id) {
-        // After the terminal frame nothing more belongs to this id, so the
-        // entry goes even if its owner has not dropped the call yet.
-        if route.send(frame).is_err() || terminal {
-            routes.by_id.remove(&id);
+    if let Some(inbox) = routes.by_id.get(&id) {
+        match inbox.push(frame) {
+            // After the terminal frame nothing more belongs to this id, so
+            // the entry goes even if its owner has not dropped the call yet
+            // (the handshake's shared inbox removes its own).
+            Ok(()) if terminal && !inbox.shared => {
+                routes.by_id.remove(&id);
+            }
+            Ok(()) => {}
+            Err(Refused::Full) => {
+                routes.by_id.remove(&id);
+            }
+            Err(Refused::Credit(why)) => return Err(why),
         }
     }
+    Ok(())
 }
 
-/// Ends every pending call with `Closed` (their channels close) and makes
-/// new calls fail at once.
+/// Ends every pending call (their inboxes close) and makes new calls fail
+/// at once.
 fn close(routes: &Mutex<Routes>) {
     let mut routes = lock(routes);
     routes.closed = true;
-    routes.by_id.clear();
+    for (_, inbox) in routes.by_id.drain() {
+        inbox.close();
+    }
 }
 
 async fn write_loop(
     mut write_half: OwnedWriteHalf,
     mut queue: mpsc::UnboundedReceiver<(Vec<u8>, Option<OwnedSemaphorePermit>)>,
     routes: SharedRoutes,
+    reader_gone: Arc<Notify>,
 ) {
-    while let Some((bytes, _permit)) = queue.recv().await {
-        if write_half.write_all(&bytes).await.is_err() {
+    loop {
+        let (bytes, _permit) = tokio::select! {
+            next = queue.recv() => match next {
+                Some(next) => next,
+                None => return,
+            },
+            () = reader_gone.notified() => return,
+        };
+        // An agent that stops reading must not keep the writer (and the
+        // socket) alive after the reader gave up on it.
+        let written = tokio::select! {
+            written = write_half.write_all(&bytes) => written,
+            () = reader_gone.notified() => return,
+        };
+        if written.is_err() {
             close(&routes);
             return;
         }
@@ -911,7 +1230,7 @@ impl FileDownload {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// The agent's end of a socket pair, driven by hand.
     struct FakeAgent {
@@ -1086,6 +1405,245 @@ mod tests {
         assert_eq!(route_count(&client), 0);
         let cancel = agent.recv().await;
         assert_eq!((cancel.id, cancel.msg), (id, HostMsg::Cancel));
+    }
+
+    /// Starts an exec on the fake agent; its call id.
+    async fn started(client: &AgentClient, agent: &mut FakeAgent) -> (ExecHandle, CallId) {
+        let fake = async {
+            let call = agent.recv().await;
+            agent.send(call.id, GuestMsg::Started { pid: 7 }, &[]).await;
+            call.id
+        };
+        let (handle, id) = tokio::join!(client.exec(ExecRequest::new("yes")), fake);
+        (handle.unwrap(), id)
+    }
+
+    /// Sends `total` bytes of stdout under `id` as an honest agent would:
+    /// never more than the credit it holds, waiting for `Credit` frames.
+    async fn honest_stdout(agent: &mut FakeAgent, id: CallId, total: usize) {
+        let mut credit = STREAM_WINDOW as usize;
+        let mut sent = 0;
+        let chunk = vec![b'a'; MAX_CHUNK];
+        while sent < total {
+            while credit == 0 {
+                match agent.recv().await {
+                    Frame {
+                        msg: HostMsg::Credit { bytes },
+                        id: got,
+                        ..
+                    } if got == id => credit += bytes as usize,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            let n = (total - sent).min(credit).min(MAX_CHUNK);
+            agent.send(id, GuestMsg::Stdout, &chunk[..n]).await;
+            credit -= n;
+            sent += n;
+        }
+    }
+
+    fn exited() -> GuestMsg {
+        GuestMsg::Exit {
+            code: Some(0),
+            signal: None,
+            timed_out: false,
+            duration_ms: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_sends_past_its_credit_is_dropped() {
+        let (client, mut agent) = connected().await;
+        let (mut handle, id) = started(&client, &mut agent).await;
+        // The whole window is allowed while the caller reads nothing ...
+        let chunk = vec![b'x'; MAX_CHUNK];
+        for _ in 0..STREAM_WINDOW as usize / MAX_CHUNK {
+            agent.send(id, GuestMsg::Stdout, &chunk).await;
+        }
+        agent.send(id, GuestMsg::Stdout, b"").await;
+        let ping = tokio::spawn({
+            let client = client.clone();
+            async move { client.ping().await }
+        });
+        let asked = agent.recv().await;
+        agent.send(asked.id, GuestMsg::Pong, b"").await;
+        ping.await.unwrap().unwrap();
+        assert!(!client.is_closed());
+        // ... one byte more is not.
+        agent.send(id, GuestMsg::Stdout, b"!").await;
+        let mut end = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), agent.stream.read_to_end(&mut end))
+            .await
+            .expect("the host hangs up");
+        assert!(read.is_ok());
+        assert!(client.is_closed());
+        let why = client.broken().expect("the reason is kept");
+        assert!(why.contains("credit"), "{why}");
+        // What was queued before may still come, then the call fails.
+        let mut got = 0;
+        let err = loop {
+            match handle.next_event().await {
+                Ok(ExecEvent::Stdout(bytes)) => got += bytes.len(),
+                Ok(other) => panic!("unexpected {other:?}"),
+                Err(e) => break e,
+            }
+        };
+        assert!(got <= STREAM_WINDOW as usize);
+        assert!(
+            matches!(&err, AgentError::Protocol(m) if m.contains("credit")),
+            "{err:?}"
+        );
+        assert!(matches!(client.ping().await, Err(AgentError::Protocol(_))));
+    }
+
+    #[tokio::test]
+    async fn returned_credit_lets_an_honest_agent_go_on() {
+        let (client, mut agent) = connected().await;
+        let (handle, id) = started(&client, &mut agent).await;
+        let total = 5 * STREAM_WINDOW as usize + 123;
+        let consumer = tokio::spawn(async move {
+            let mut handle = handle;
+            let mut got = 0;
+            loop {
+                match handle.next_event().await.unwrap() {
+                    ExecEvent::Stdout(bytes) => got += bytes.len(),
+                    ExecEvent::Exit(_) => return got,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+        });
+        honest_stdout(&mut agent, id, total).await;
+        agent.send(id, exited(), b"").await;
+        assert_eq!(consumer.await.unwrap(), total);
+        assert!(client.broken().is_none());
+    }
+
+    #[tokio::test]
+    async fn exec_collect_keeps_the_limit_and_drains_the_rest() {
+        let (client, mut agent) = connected().await;
+        let limit = 300_000;
+        let total = 3 * STREAM_WINDOW as usize;
+        let fake = async {
+            let call = agent.recv().await;
+            agent.send(call.id, GuestMsg::Started { pid: 7 }, &[]).await;
+            agent.send(call.id, GuestMsg::Stderr, b"warning\n").await;
+            honest_stdout(&mut agent, call.id, total).await;
+            agent.send(call.id, exited(), b"").await;
+        };
+        let (out, ()) = tokio::join!(
+            client.exec_collect_limited(ExecRequest::new("yes"), limit),
+            fake
+        );
+        let out = out.unwrap();
+        assert_eq!(out.stdout.len(), limit);
+        assert!(out.stdout.capacity() <= limit);
+        assert!(out.stdout_truncated);
+        assert_eq!(out.stderr, b"warning\n");
+        assert!(!out.stderr_truncated);
+        assert!(out.status.success());
+        assert_eq!(route_count(&client), 0);
+    }
+
+    #[tokio::test]
+    async fn small_chunks_of_one_stream_merge_while_the_caller_waits() {
+        let (client, mut agent) = connected().await;
+        let (mut handle, id) = started(&client, &mut agent).await;
+        for _ in 0..2 * MAX_QUEUED_FRAMES {
+            agent.send(id, GuestMsg::Stdout, b"y").await;
+        }
+        agent.send(id, exited(), b"").await;
+        let mut chunks = 0;
+        let mut bytes = 0;
+        loop {
+            match handle.next_event().await.unwrap() {
+                ExecEvent::Stdout(chunk) => {
+                    chunks += 1;
+                    bytes += chunk.len();
+                }
+                ExecEvent::Exit(_) => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(bytes, 2 * MAX_QUEUED_FRAMES);
+        assert!(chunks < 2 * MAX_QUEUED_FRAMES / 100, "{chunks} chunks");
+    }
+
+    #[tokio::test]
+    async fn too_many_queued_frames_fail_only_their_call() {
+        let (client, mut agent) = connected().await;
+        let (mut handle, id) = started(&client, &mut agent).await;
+        for i in 0..=MAX_QUEUED_FRAMES {
+            let msg = if i % 2 == 0 {
+                GuestMsg::Stdout
+            } else {
+                GuestMsg::Stderr
+            };
+            agent.send(id, msg, b"z").await;
+        }
+        // The ping is answered after every frame above was read.
+        let ping = tokio::spawn({
+            let client = client.clone();
+            async move { client.ping().await }
+        });
+        let asked = agent.recv().await;
+        agent.send(asked.id, GuestMsg::Pong, b"").await;
+        ping.await.unwrap().unwrap();
+        let err = handle.next_event().await.unwrap_err();
+        assert!(
+            matches!(&err, AgentError::Protocol(m) if m.contains("frames")),
+            "{err:?}"
+        );
+        assert!(!client.is_closed());
+        drop(handle);
+        let cancel = agent.recv().await;
+        assert_eq!((cancel.id, cancel.msg), (id, HostMsg::Cancel));
+    }
+
+    #[tokio::test]
+    async fn read_file_to_vec_refuses_more_than_its_limit() {
+        let (client, mut agent) = connected().await;
+        // Announced too large: refused before any data.
+        let fake = async {
+            let call = agent.recv().await;
+            agent
+                .send(call.id, GuestMsg::FileInfo { size: 1 << 40 }, &[])
+                .await;
+        };
+        let (result, ()) = tokio::join!(client.read_file_to_vec_limited("/big", 1000), fake);
+        assert!(matches!(result, Err(AgentError::TooLarge { limit: 1000 })));
+        assert_eq!(agent.recv().await.msg, HostMsg::Cancel);
+        // Announced small (as /proc files are), then longer.
+        let fake = async {
+            let call = agent.recv().await;
+            agent
+                .send(call.id, GuestMsg::FileInfo { size: 0 }, &[])
+                .await;
+            agent.send(call.id, GuestMsg::Data, &[1u8; 600]).await;
+            agent.send(call.id, GuestMsg::Data, &[2u8; 600]).await;
+            agent.send(call.id, GuestMsg::End, &[]).await;
+        };
+        let (result, ()) = tokio::join!(client.read_file_to_vec_limited("/proc/x", 1000), fake);
+        assert!(matches!(result, Err(AgentError::TooLarge { limit: 1000 })));
+        // Within the limit: whole.
+        let fake = async {
+            let call = agent.recv().await;
+            if call.msg == HostMsg::Cancel {
+                let call = agent.recv().await;
+                agent
+                    .send(call.id, GuestMsg::FileInfo { size: 3 }, &[])
+                    .await;
+                agent.send(call.id, GuestMsg::Data, b"abc").await;
+                agent.send(call.id, GuestMsg::End, &[]).await;
+                return;
+            }
+            agent
+                .send(call.id, GuestMsg::FileInfo { size: 3 }, &[])
+                .await;
+            agent.send(call.id, GuestMsg::Data, b"abc").await;
+            agent.send(call.id, GuestMsg::End, &[]).await;
+        };
+        let (result, ()) = tokio::join!(client.read_file_to_vec_limited("/small", 1000), fake);
+        assert_eq!(result.unwrap(), b"abc");
     }
 
     #[tokio::test]
