@@ -1,6 +1,12 @@
 //! Exec and exec/stream. An exec in flight counts as activity in the
 //! database (`running_execs`), so the idle reaper never takes a sandbox in
 //! the middle of a command, however quiet the command is.
+//!
+//! The plain exec answers with the output in one JSON body, so it keeps at
+//! most [`shoal_proto::client::output_limit`] bytes of each stream (16 MiB
+//! unless `SHOAL_EXEC_OUTPUT_LIMIT` says otherwise) and flags the rest as
+//! truncated; the command still runs to its end. Whole output goes through
+//! exec/stream, which holds only what the client has not read yet.
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Body, Caller};
@@ -9,13 +15,39 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use shoal_proto::client::{ExecEvent, ExecRequest, ExitStatus};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The longest command timeout accepted: a week (a command can outlive no
+/// sandbox anyway, and a bound keeps the seconds a valid duration).
+pub const MAX_TIMEOUT_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// A timeout from a request, in units of `unit` seconds: `None` for absent
+/// or 0, a 400 for anything negative, not finite or past `max` units. A
+/// positive timeout under a millisecond counts as one, as the guest counts
+/// in milliseconds.
+pub(crate) fn timeout_in(
+    field: &str,
+    value: Option<f64>,
+    unit: f64,
+    max: f64,
+) -> ApiResult<Option<Duration>> {
+    match value {
+        None => Ok(None),
+        Some(0.0) => Ok(None),
+        Some(t) if t.is_finite() && t > 0.0 && t <= max => Ok(Some(
+            Duration::from_secs_f64(t * unit).max(Duration::from_millis(1)),
+        )),
+        Some(_) => Err(ApiError::bad_request(format!(
+            "{field} must be a positive number of at most {max}"
+        ))),
+    }
+}
 
 #[derive(Deserialize, Default)]
 #[serde(default)]
@@ -32,20 +64,17 @@ impl ExecBody {
             .cmd
             .filter(|c| !c.trim().is_empty())
             .ok_or_else(|| ApiError::bad_request("cmd must be a non-empty string"))?;
-        let timeout = match self.timeout_seconds {
-            Some(t) if t < 0.0 || !t.is_finite() => {
-                return Err(ApiError::bad_request(
-                    "timeout_seconds must be a positive number",
-                ))
-            }
-            Some(t) if t > 0.0 => Some(t),
-            _ => None,
-        };
+        let timeout = timeout_in(
+            "timeout_seconds",
+            self.timeout_seconds,
+            1.0,
+            MAX_TIMEOUT_SECONDS,
+        )?;
         let mut request = ExecRequest::new(cmd);
         request.env = self.env.unwrap_or_default();
         request.cwd = self.cwd;
-        request.timeout = timeout.map(Duration::from_secs_f64);
-        Ok((request, timeout))
+        request.timeout = timeout;
+        Ok((request, timeout.and(self.timeout_seconds)))
     }
 }
 
@@ -88,12 +117,25 @@ fn timeout_message(seconds: Option<f64>) -> String {
     format!("command timeout after {}s", seconds.unwrap_or(0.0))
 }
 
+/// The plain exec's answer, serialized straight from the collected bytes
+/// (valid UTF-8 is borrowed, not copied).
+#[derive(Serialize)]
+struct ExecReply<'a> {
+    stdout: Cow<'a, str>,
+    stderr: Cow<'a, str>,
+    exit_code: i32,
+    duration_ms: u64,
+    /// More was printed than the answer holds (the first bytes are kept).
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+}
+
 pub async fn exec(
     State(cp): State<Arc<ControlPlane>>,
     Caller(account): Caller,
     Path(id): Path<String>,
     Body(body): Body<ExecBody>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Response> {
     let (request, timeout) = body.request()?;
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
@@ -105,12 +147,28 @@ pub async fn exec(
             timeout_message(timeout),
         ));
     }
-    Ok(Json(json!({
-        "stdout": String::from_utf8_lossy(&output.stdout),
-        "stderr": String::from_utf8_lossy(&output.stderr),
-        "exit_code": exit_code(&output.status),
-        "duration_ms": output.status.duration_ms,
-    })))
+    let reply = ExecReply {
+        stdout: String::from_utf8_lossy(&output.stdout),
+        stderr: String::from_utf8_lossy(&output.stderr),
+        exit_code: exit_code(&output.status),
+        duration_ms: output.status.duration_ms,
+        stdout_truncated: output.stdout_truncated,
+        stderr_truncated: output.stderr_truncated,
+    };
+    // One buffer sized for the common case (no escapes), handed to the
+    // body without a copy: a full answer costs about twice the output.
+    let mut body = Vec::with_capacity(reply.stdout.len() + reply.stderr.len() + 160);
+    serde_json::to_writer(&mut body, &reply).map_err(|e| ApiError::internal(e.to_string()))?;
+    drop(reply);
+    drop(output);
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response())
 }
 
 pub async fn exec_stream(
@@ -245,6 +303,33 @@ impl Utf8Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_out_of_range_are_refused() {
+        let body = |t: f64| ExecBody {
+            cmd: Some("true".into()),
+            timeout_seconds: Some(t),
+            ..ExecBody::default()
+        };
+        for bad in [
+            1e30,
+            -1.0,
+            f64::NAN,
+            f64::INFINITY,
+            MAX_TIMEOUT_SECONDS + 1.0,
+        ] {
+            let err = body(bad).request().err().expect("refused");
+            assert_eq!(err.status, StatusCode::BAD_REQUEST, "{bad}");
+            assert!(err.message.contains("timeout_seconds"), "{}", err.message);
+        }
+        let (request, _) = body(0.0).request().unwrap();
+        assert_eq!(request.timeout, None);
+        let (request, _) = body(1e-300).request().unwrap();
+        assert_eq!(request.timeout, Some(Duration::from_millis(1)));
+        let (request, shown) = body(2.5).request().unwrap();
+        assert_eq!(request.timeout, Some(Duration::from_millis(2500)));
+        assert_eq!(shown, Some(2.5));
+    }
 
     #[test]
     fn sse_data_is_ascii_json() {

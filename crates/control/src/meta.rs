@@ -1,8 +1,12 @@
 //! Routes about the account and the service rather than one sandbox's
 //! guest: health, the OpenAPI document, `/v1/me`, templates, snapshots;
 //! and a sandbox's console log and listening ports.
+//!
+//! What comes from the guest is bounded: the console log answers with its
+//! last [`MAX_LOG_TAIL`] bytes, the port table is read up to
+//! [`MAX_PORT_TABLE`] bytes.
 
-use crate::error::ApiResult;
+use crate::error::{ApiError, ApiResult};
 use crate::extract::Caller;
 use crate::{rfc3339, ControlPlane, OPENAPI};
 use axum::extract::{Path, RawQuery, State};
@@ -11,9 +15,23 @@ use axum::response::IntoResponse;
 use axum::Json;
 use serde_json::{json, Value};
 use shoal_proto::client::ExecRequest;
+use std::collections::HashMap;
 use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 type St = State<Arc<ControlPlane>>;
+
+/// The most of a console log one `GET .../logs` answers with: its end.
+pub const MAX_LOG_TAIL: u64 = 1 << 20;
+
+/// The most of the guest's /proc/net/tcp{,6} read for `GET .../ports`.
+pub const MAX_PORT_TABLE: usize = 4 << 20;
+
+/// A query string as name -> value; a malformed one is a 400.
+fn query(q: Option<&str>) -> ApiResult<HashMap<String, String>> {
+    serde_urlencoded::from_str(q.unwrap_or(""))
+        .map_err(|e| ApiError::bad_request(format!("bad query string: {e}")))
+}
 
 pub async fn healthz() -> Json<Value> {
     Json(json!({ "status": "ok" }))
@@ -64,8 +82,7 @@ pub async fn snapshots(
     Caller(account): Caller,
     RawQuery(q): RawQuery,
 ) -> ApiResult<Json<Value>> {
-    let filter: std::collections::HashMap<String, String> =
-        serde_urlencoded::from_str(q.as_deref().unwrap_or("")).unwrap_or_default();
+    let filter = query(q.as_deref())?;
     let mut rows = cp.store.list_snapshots(account.id).await?;
     rows.sort_by(|a, b| b.created_at.total_cmp(&a.created_at));
     let items: Vec<Value> = rows
@@ -88,19 +105,52 @@ pub async fn snapshots(
     Ok(Json(json!({ "snapshots": items })))
 }
 
-/// The guest console so far (kernel and guest agent output).
+/// The guest console so far (kernel and guest agent output): its last
+/// [`MAX_LOG_TAIL`] bytes, from the first whole line among them.
 pub async fn logs(
     State(cp): St,
     Caller(account): Caller,
     Path(id): Path<String>,
+    RawQuery(q): RawQuery,
 ) -> ApiResult<impl IntoResponse> {
+    let params = query(q.as_deref())?;
+    if let Some(stream) = params.get("stream") {
+        if !matches!(stream.as_str(), "stdout" | "stderr" | "both") {
+            return Err(ApiError::bad_request(
+                "stream must be stdout, stderr or both",
+            ));
+        }
+    }
+    if let Some(follow) = params.get("follow") {
+        if !matches!(follow.as_str(), "true" | "false" | "1" | "0") {
+            return Err(ApiError::bad_request("follow must be true or false"));
+        }
+    }
     cp.owned(&account, &id).await?;
     let path = cp.host.engine().console_log(&id)?;
-    let text = tokio::fs::read(&path).await.unwrap_or_default();
+    let text = log_tail(&path, MAX_LOG_TAIL).await.unwrap_or_default();
     Ok((
         [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
         String::from_utf8_lossy(&text).into_owned(),
     ))
+}
+
+/// The last `max` bytes of a file; when that cuts the file, from the first
+/// line that starts among them.
+pub(crate) async fn log_tail(path: &std::path::Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let mut file = tokio::fs::File::open(path).await?;
+    let len = file.metadata().await?.len();
+    let start = len.saturating_sub(max);
+    file.seek(std::io::SeekFrom::Start(start)).await?;
+    let mut out = Vec::with_capacity(usize::try_from(len - start).unwrap_or(0));
+    // The file may grow meanwhile: read no more than was measured.
+    (&mut file).take(max).read_to_end(&mut out).await?;
+    if start > 0 {
+        if let Some(newline) = out.iter().position(|&b| b == b'\n') {
+            out.drain(..=newline);
+        }
+    }
+    Ok(out)
 }
 
 /// TCP ports listening in the guest, read from /proc/net/tcp{,6}.
@@ -112,9 +162,10 @@ pub async fn ports(
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
     let out = agent
-        .exec_collect(ExecRequest::new(
-            "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null",
-        ))
+        .exec_collect_limited(
+            ExecRequest::new("cat /proc/net/tcp /proc/net/tcp6 2>/dev/null"),
+            MAX_PORT_TABLE,
+        )
         .await?;
     let ports: Vec<Value> = listening_ports(&String::from_utf8_lossy(&out.stdout))
         .into_iter()
@@ -143,6 +194,24 @@ pub(crate) fn listening_ports(proc_net_tcp: &str) -> Vec<u16> {
 
 #[cfg(test)]
 mod tests {
+    #[tokio::test]
+    async fn the_log_answers_with_its_last_whole_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("console.log");
+        let mut text = String::new();
+        for i in 0..1000 {
+            text.push_str(&format!("line {i}\n"));
+        }
+        std::fs::write(&path, &text).unwrap();
+        let tail = super::log_tail(&path, 100).await.unwrap();
+        assert!(tail.len() <= 100);
+        let tail = String::from_utf8(tail).unwrap();
+        assert!(tail.starts_with("line 9"), "{tail}");
+        assert!(tail.ends_with("line 999\n"));
+        let whole = super::log_tail(&path, 1 << 20).await.unwrap();
+        assert_eq!(whole, text.as_bytes());
+    }
+
     #[test]
     fn listening_ports_come_from_proc_net_tcp() {
         let table = "  sl  local_address rem_address   st\n   0: 00000000:1F90 00000000:0000 0A 00000000\n   1: 0100007F:0035 0100007F:A000 01 0000\n";

@@ -10,7 +10,6 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
-use std::time::Duration;
 
 type St = State<Arc<ControlPlane>>;
 
@@ -61,13 +60,12 @@ pub async fn run(
     let code = body
         .code
         .ok_or_else(|| ApiError::bad_request("code must be a string"))?;
-    let timeout = match body.timeout_ms {
-        Some(ms) if ms < 0.0 || !ms.is_finite() => {
-            return Err(ApiError::bad_request("timeout_ms must be positive"))
-        }
-        Some(ms) if ms > 0.0 => Some(Duration::from_secs_f64(ms / 1000.0)),
-        _ => None,
-    };
+    let timeout = crate::exec::timeout_in(
+        "timeout_ms",
+        body.timeout_ms,
+        0.001,
+        crate::exec::MAX_TIMEOUT_SECONDS * 1000.0,
+    )?;
     cp.running(&account, &id).await?;
     let output = cp
         .host

@@ -1096,8 +1096,10 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
             timeout: Some(Duration::from_secs(timeout)),
             ..ExecRequest::default()
         };
+        // Only the end of a failed setup's output is kept (SETUP_OUTPUT);
+        // reading the first MAX_OUTPUT bytes of each stream is plenty.
         let output = agent
-            .exec_collect(request)
+            .exec_collect_limited(request, MAX_OUTPUT)
             .await
             .map_err(|e| e.to_string())?;
         Ok::<_, String>(output)
@@ -1207,7 +1209,12 @@ async fn collect_files(
                 ));
                 continue;
             }
-            match agent.read_file_to_vec(&path).await {
+            // The size is the guest's word: the read holds it to the limits.
+            let room = MAX_COLLECT_FILE.min(MAX_COLLECT_TOTAL - total);
+            match agent
+                .read_file_to_vec_limited(&path, usize::try_from(room).unwrap_or(usize::MAX))
+                .await
+            {
                 Ok(bytes) => {
                     total += bytes.len() as u64;
                     collected.insert(
