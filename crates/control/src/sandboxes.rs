@@ -176,10 +176,18 @@ pub struct CreateBody {
     allow_internet: Option<bool>,
 }
 
+/// The longest TTL or lifetime a sandbox may ask for (ten years): past it
+/// the figures stop meaning anything and risk overflowing the arithmetic
+/// done on them.
+const MAX_SECONDS: i64 = 10 * 365 * 86400;
+
 fn seconds(field: &str, value: Option<i64>) -> ApiResult<Option<u64>> {
     match value {
         Some(v) if v < 0 => Err(ApiError::bad_request(format!(
             "{field} must not be negative"
+        ))),
+        Some(v) if v > MAX_SECONDS => Err(ApiError::bad_request(format!(
+            "{field} exceeds tier maximum of {MAX_SECONDS}"
         ))),
         other => Ok(other.map(|v| v as u64)),
     }

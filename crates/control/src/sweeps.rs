@@ -93,11 +93,14 @@ fn cells(body: &Map<String, Value>) -> ApiResult<Vec<String>> {
             if end < start {
                 return Err(bad("cells.end must not be below cells.start"));
             }
-            let count = (end - start) / step + 1;
-            if count > MAX_CELLS as i64 {
+            // Wide arithmetic: any two i64 bounds are a valid question.
+            let count = (i128::from(end) - i128::from(start)) / i128::from(step) + 1;
+            if count > MAX_CELLS as i128 {
                 return Err(bad(format!("cells: at most {MAX_CELLS} cells")));
             }
-            (0..count).map(|i| (start + i * step).to_string()).collect()
+            (0..count)
+                .map(|i| (i128::from(start) + i * i128::from(step)).to_string())
+                .collect()
         }
         Some(_) => {
             return Err(bad(

@@ -16,6 +16,12 @@ type St = State<Arc<ControlPlane>>;
 
 fn parse_time(name: &str, text: &str) -> ApiResult<f64> {
     if let Ok(seconds) = text.parse::<f64>() {
+        // "NaN" and "inf" parse too, and compare as nothing else does.
+        if !seconds.is_finite() {
+            return Err(ApiError::bad_request(format!(
+                "{name} must be a finite number of seconds: {text:?}"
+            )));
+        }
         return Ok(seconds);
     }
     chrono::DateTime::parse_from_rfc3339(text)

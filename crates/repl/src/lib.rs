@@ -30,8 +30,9 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 pub const INTERRUPT_GRACE: Duration = Duration::from_secs(2);
 
 /// A reply line longer than this is dropped (the kernel already caps each
-/// captured stream at 8 MiB; this bounds the rest, e.g. a huge repr).
-pub const MAX_REPLY: usize = 256 * 1024 * 1024;
+/// captured stream at 8 MiB; this bounds the rest, e.g. a huge repr, and
+/// what a host holds for one reply of a guest it cannot trust).
+pub const MAX_REPLY: usize = 32 * 1024 * 1024;
 
 /// What the start command prints when the guest has no python3.
 const NO_PYTHON_MARKER: &str = "shoal-repl: python3 not found";
