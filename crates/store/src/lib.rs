@@ -24,7 +24,8 @@
 //! SQLite runs in WAL mode with one writer connection (writes queue in the
 //! pool instead of spinning on the file lock) and several readers, so the hot
 //! reads ([`Store::authenticate`], [`Store::get_sandbox`]) are one indexed
-//! query each and never wait for a writer.
+//! query each and never wait for a writer. Its writer is at
+//! `synchronous=FULL`: a write that returned is on the disk.
 
 mod accounts;
 mod apps;
@@ -189,6 +190,21 @@ impl Store {
         self.rate_card
     }
 
+    /// SQLite's `synchronous` level on the connection that writes (2 is
+    /// FULL); `None` on PostgreSQL. Read back so a test holds the setting.
+    #[doc(hidden)]
+    pub async fn sqlite_synchronous(&self) -> Result<Option<i64>> {
+        match &*self.inner {
+            Backend::Sqlite { write, .. } => {
+                let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                    .fetch_one(write)
+                    .await?;
+                Ok(Some(level))
+            }
+            Backend::Postgres(_) => Ok(None),
+        }
+    }
+
     /// Closes every connection; other clones of this store stop working.
     pub async fn close(&self) {
         match &*self.inner {
@@ -212,9 +228,13 @@ async fn connect_sqlite(path: &Path) -> Result<Backend> {
         .filename(path)
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
-        // In WAL mode NORMAL cannot corrupt the file; a power cut may lose
-        // the last commits, which the engine's start-up reaping reconciles.
-        .synchronous(SqliteSynchronous::Normal)
+        // FULL: a commit is on the disk before it returns, so what the API
+        // acknowledged (a token printed, a 201) survives a power cut. WAL
+        // with NORMAL could lose the last commits. The cost is one fsync of
+        // the WAL per commit: a quota-checked insert went from p50 ~0.15 ms
+        // to ~0.4 ms, and sweep claims (8 claimers) from ~2,700/s to ~1,200/s
+        // on the 2-core test machine (2026-12-05).
+        .synchronous(SqliteSynchronous::Full)
         .busy_timeout(SQLITE_BUSY_TIMEOUT)
         .foreign_keys(true);
     let write = SqlitePoolOptions::new()

@@ -107,6 +107,33 @@ impl VolumeLimits {
     }
 }
 
+/// Snapshot quotas, checked by [`Store::record_snapshot`](crate::Store::record_snapshot):
+/// a snapshot holds a copy of its sandbox's memory and disk on a host's
+/// state disk until it is deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotLimits {
+    /// Snapshots an account may hold at once.
+    pub count: u32,
+    /// Bytes of all its snapshots together (their `size_bytes`: what the
+    /// host's disk holds for them).
+    pub total_bytes: u64,
+}
+
+impl SnapshotLimits {
+    /// Free 5 snapshots, 10 GiB in all; Pro 50, 100 GiB; Team 500, 1 TiB.
+    pub fn default_for(tier: Tier) -> SnapshotLimits {
+        let (count, total_gib) = match tier {
+            Tier::Free => (5, 10),
+            Tier::Pro => (50, 100),
+            Tier::Team => (500, 1024),
+        };
+        SnapshotLimits {
+            count,
+            total_bytes: total_gib << 30,
+        }
+    }
+}
+
 /// A volume about to be recorded, on the host that makes its image.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NewVolume {
