@@ -5,6 +5,7 @@
 //! live in `bench.rs` and only call the engine's public API.
 
 mod bench;
+mod bench_exec;
 mod bench_fleet;
 mod bench_sweep;
 mod fleet;
@@ -163,6 +164,9 @@ enum BenchCommand {
     /// The same job array on a real Slurm and on Shoal, and the sweep
     /// table's claims per second (see scripts/bench-sweep).
     Sweep(bench_sweep::SweepBenchArgs),
+    /// The server's peak RSS growth over one plain exec that prints a lot
+    /// (2 GB by default; issue 19's goal: under 64 MiB).
+    ExecOutput(bench_exec::ExecOutputBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -353,6 +357,12 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             command: BenchCommand::Sweep(args),
         } => {
             bench_sweep::sweep(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            command: BenchCommand::ExecOutput(args),
+        } => {
+            bench_exec::exec_output(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
     }

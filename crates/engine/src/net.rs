@@ -18,6 +18,14 @@
 //!   `veth0`, and never to private, shared, loopback or link-local
 //!   addresses, so not to other sandboxes, the host or the control plane).
 //!
+//! IPv6 is off on every sandbox link, three times over: the namespace is
+//! made with `disable_ipv6` on all its interfaces (so `tap0` and `veth0`
+//! never get an address, and the guest's link-local traffic meets no
+//! IPv6 stack), the host end `shoalh<N>` gets it before it is up, and
+//! tables `ip6 shoal` (in the slot and on the host) drop whatever IPv6
+//! would still come through; `tap0`'s ingress (`netdev shoal`) takes only
+//! IPv4 and ARP from the guest at all. A sandbox has no IPv6 egress.
+//!
 //! A slot is prepared without a default route: egress is off until
 //! [`NetSlot::allow_internet`] adds it, so a failure leaves a sandbox cut
 //! off rather than open. The guest's resolver is its gateway: the
@@ -58,14 +66,14 @@ pub const GATEWAY_IP: Ipv4Addr = ipv4(shoal_proto::GUEST_GATEWAY);
 pub const TAP_MAC: &str = "02:53:48:00:00:01";
 /// The tap device inside every slot's namespace.
 pub const TAP: &str = "tap0";
-/// The nftables table in the engine's namespace.
+/// The nftables tables (`ip` and `ip6`) in the engine's namespace.
 pub const HOST_TABLE: &str = "shoal";
 /// Host ends of the veth pairs are `shoalh<N>`.
 pub const HOST_VETH_PREFIX: &str = "shoalh";
 
 const NS_VETH: &str = "veth0";
 const SLOT_NET: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 0);
-const SLOT_COUNT: u32 = 1 << 14;
+pub const SLOT_COUNT: u32 = 1 << 14;
 /// Destinations no sandbox may open anything to.
 const DENIED: &str = "10.0.0.0/8, 100.64.0.0/10, 127.0.0.0/8, 169.254.0.0/16, 172.16.0.0/12, 192.168.0.0/16, 224.0.0.0/3";
 
@@ -173,7 +181,7 @@ impl NetPool {
         if try_flock(&host_lock, libc::LOCK_EX) {
             // No other engine runs: everything Shoal-named is a leftover.
             reap_host_veths();
-            let _ = run_nft(None, &format!("delete table ip {HOST_TABLE}\n"));
+            delete_host_tables();
         } else {
             reap_host_veths();
         }
@@ -221,9 +229,17 @@ impl NetPool {
         self.refill.notify_one();
         self.ready.lock().unwrap().clear();
         if try_flock(&lock, libc::LOCK_EX) {
-            let _ = run_nft(None, &format!("delete table ip {HOST_TABLE}\n"));
+            delete_host_tables();
             restore_forwarding();
         }
+    }
+}
+
+/// Removes the host's tables, one at a time: an engine of an older version
+/// made only the `ip` one, and a batch fails whole.
+fn delete_host_tables() {
+    for family in ["ip", "ip6"] {
+        let _ = run_nft(None, &format!("delete table {family} {HOST_TABLE}\n"));
     }
 }
 
@@ -277,6 +293,8 @@ pub fn prepare_slot(dns: Ipv4Addr) -> Result<NetSlot> {
         pid = std::process::id()
     );
     run_ip(Some(ns.as_raw_fd()), &inside)?;
+    // Before it is up, so it never gets even a link-local address.
+    disable_ipv6(&veth)?;
     run_ip(
         None,
         &format!("addr add {host_ip}/30 dev {veth}\nlink set {veth} up\n"),
@@ -306,13 +324,23 @@ fn namespace_table(dns: Ipv4Addr) -> String {
          \t\tiifname \"{TAP}\" oifname \"{NS_VETH}\" ip daddr {dns} meta l4proto {{ tcp, udp }} th dport 53 accept\n\
          \t\tiifname \"{TAP}\" oifname \"{NS_VETH}\" ip daddr != {{ {DENIED} }} accept\n\
          \t}}\n\
+         }}\n\
+         table ip6 shoal {{\n\
+         \tchain input {{ type filter hook input priority filter; policy drop; }}\n\
+         \tchain forward {{ type filter hook forward priority filter; policy drop; }}\n\
+         \tchain output {{ type filter hook output priority filter; policy drop; }}\n\
+         }}\n\
+         table netdev shoal {{\n\
+         \tchain guest {{ type filter hook ingress device \"{TAP}\" priority filter;\n\
+         \t\tether type != {{ ip, arp }} drop\n\
+         \t}}\n\
          }}\n"
     )
 }
 
-/// The host's table: nothing from a sandbox reaches the host itself or
+/// The host's tables: nothing from a sandbox reaches the host itself or
 /// another sandbox or a private address (but its DNS upstream on port 53);
-/// sandboxes are masqueraded out. Every engine on the host runs this script
+/// sandboxes are masqueraded out; no IPv6 comes from or goes to one. Every engine on the host runs this script
 /// when it opens: the chains are rebuilt, and the set of DNS upstreams only
 /// grows, so engines with different upstreams do not undo each other.
 fn host_table(drop_other_forwarding: bool, dns: Ipv4Addr) -> String {
@@ -350,6 +378,21 @@ fn host_table(drop_other_forwarding: bool, dns: Ipv4Addr) -> String {
          \t}}\n\
          \tchain postrouting {{\n\
          \t\tip saddr {SLOT_NET}/16 oifname != \"{p}*\" masquerade\n\
+         \t}}\n\
+         }}\n\
+         table ip6 {HOST_TABLE} {{\n\
+         \tchain input {{ type filter hook input priority filter - 1; }}\n\
+         \tchain forward {{ type filter hook forward priority filter - 1; }}\n\
+         }}\n\
+         flush chain ip6 {HOST_TABLE} input\n\
+         flush chain ip6 {HOST_TABLE} forward\n\
+         table ip6 {HOST_TABLE} {{\n\
+         \tchain input {{\n\
+         \t\tiifname \"{p}*\" drop\n\
+         \t}}\n\
+         \tchain forward {{\n\
+         \t\tiifname \"{p}*\" drop\n\
+         \t\toifname \"{p}*\" drop\n\
          \t}}\n\
          }}\n"
     )
@@ -517,8 +560,12 @@ fn new_namespace() -> Result<(OwnedFd, OwnedFd)> {
             return Err(std::io::Error::last_os_error());
         }
         let ns = File::open("/proc/thread-self/ns/net")?;
-        // Per-namespace sysctl: written from inside the namespace.
+        // Per-namespace sysctls: written from inside the namespace. `all`
+        // covers `lo`, already there; `default` the tap and veth to come.
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")?;
+        for conf in ["all", "default"] {
+            write_ipv6_conf(conf, "disable_ipv6", "1")?;
+        }
         // SAFETY: socket(2) takes no pointers; the result is checked.
         let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
@@ -531,6 +578,22 @@ fn new_namespace() -> Result<(OwnedFd, OwnedFd)> {
     .join()
     .expect("namespace thread does not panic")
     .io_context(|| "creating a network namespace".into())
+}
+
+/// Turns IPv6 off on `ifname` of the engine's namespace.
+fn disable_ipv6(ifname: &str) -> Result<()> {
+    write_ipv6_conf(ifname, "disable_ipv6", "1")
+        .io_context(|| format!("turning IPv6 off on {ifname}"))
+}
+
+/// Writes `/proc/sys/net/ipv6/conf/<conf>/<key>` of the calling thread's
+/// namespace; a kernel without IPv6 (no such directory) has nothing to
+/// turn off.
+fn write_ipv6_conf(conf: &str, key: &str, value: &str) -> std::io::Result<()> {
+    if !Path::new("/proc/sys/net/ipv6").exists() {
+        return Ok(());
+    }
+    std::fs::write(format!("/proc/sys/net/ipv6/conf/{conf}/{key}"), value)
 }
 
 fn add_default_route(control: RawFd, gateway: Ipv4Addr) -> std::io::Result<()> {
@@ -642,7 +705,8 @@ mod tests {
             host.contains("add element ip shoal dns_upstreams { 10.255.255.53 }"),
             "{host}"
         );
-        let forward = &host[host.rfind("chain forward").unwrap()..];
+        let ip4 = &host[..host.find("table ip6").unwrap()];
+        let forward = &ip4[ip4.rfind("chain forward").unwrap()..];
         let accept =
             forward.find("ip daddr @dns_upstreams meta l4proto { tcp, udp } th dport 53 accept");
         let deny = forward.find("ip daddr { 10.0.0.0/8");
@@ -656,6 +720,37 @@ mod tests {
                 "ip daddr 10.0.0.1 meta l4proto { tcp, udp } th dport 53 dnat to 10.255.255.53"
             ),
             "{ns}"
+        );
+    }
+
+    #[test]
+    fn no_ipv6_passes_the_slot_or_the_host_and_the_tap_takes_only_ipv4_and_arp() {
+        let dns = Ipv4Addr::new(10, 255, 255, 53);
+        let ns = namespace_table(dns);
+        let ip6 = &ns[ns.find("table ip6 shoal").expect(&ns)..];
+        for hook in ["input", "forward", "output"] {
+            assert!(
+                ip6.contains(&format!(
+                    "chain {hook} {{ type filter hook {hook} priority filter; policy drop; }}"
+                )),
+                "{ns}"
+            );
+        }
+        assert!(
+            ns.contains(
+                "hook ingress device \"tap0\" priority filter;\n\t\tether type != { ip, arp } drop"
+            ),
+            "{ns}"
+        );
+        let host = host_table(false, dns);
+        let ip6 = &host[host.rfind("table ip6 shoal").expect(&host)..];
+        assert!(
+            ip6.contains("chain input {\n\t\tiifname \"shoalh*\" drop"),
+            "{host}"
+        );
+        assert!(
+            ip6.contains("iifname \"shoalh*\" drop\n\t\toifname \"shoalh*\" drop"),
+            "{host}"
         );
     }
 
