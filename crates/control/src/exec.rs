@@ -59,7 +59,7 @@ pub struct ExecBody {
 }
 
 impl ExecBody {
-    fn request(self) -> ApiResult<(ExecRequest, Option<f64>)> {
+    pub(crate) fn request(self) -> ApiResult<(ExecRequest, Option<f64>)> {
         let cmd = self
             .cmd
             .filter(|c| !c.trim().is_empty())

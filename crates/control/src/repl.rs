@@ -51,21 +51,28 @@ pub struct RunBody {
     timeout_ms: Option<f64>,
 }
 
+impl RunBody {
+    /// The cell's timeout: 0 or absent for none, a 400 past a week.
+    pub(crate) fn timeout(&self) -> ApiResult<Option<std::time::Duration>> {
+        crate::exec::timeout_in(
+            "timeout_ms",
+            self.timeout_ms,
+            0.001,
+            crate::exec::MAX_TIMEOUT_SECONDS * 1000.0,
+        )
+    }
+}
+
 pub async fn run(
     State(cp): St,
     Caller(account): Caller,
     Path((id, session)): Path<(String, String)>,
     Body(body): Body<RunBody>,
 ) -> ApiResult<Json<Value>> {
+    let timeout = body.timeout()?;
     let code = body
         .code
         .ok_or_else(|| ApiError::bad_request("code must be a string"))?;
-    let timeout = crate::exec::timeout_in(
-        "timeout_ms",
-        body.timeout_ms,
-        0.001,
-        crate::exec::MAX_TIMEOUT_SECONDS * 1000.0,
-    )?;
     cp.running(&account, &id).await?;
     let output = cp
         .host
