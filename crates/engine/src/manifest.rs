@@ -73,11 +73,28 @@ impl Manifest {
     }
 }
 
+/// Writes `value` to `path` so that after a power cut `path` holds either
+/// the old value or the new one, whole: the temporary file is on the disk
+/// before it takes the name, and the name is on the disk before this
+/// returns.
 pub fn write_json_atomically<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    use std::io::Write as _;
     let tmp = path.with_extension("json.tmp");
     let bytes = serde_json::to_vec_pretty(value).expect("manifests always serialize");
-    std::fs::write(&tmp, bytes).io_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).io_context(|| format!("renaming {}", tmp.display()))
+    std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            f.write_all(&bytes)?;
+            f.sync_all()
+        })
+        .io_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).io_context(|| format!("renaming {}", tmp.display()))?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .io_context(|| format!("syncing {}", dir.display()))
 }
 
 pub fn now_unix_ms() -> u64 {

@@ -91,7 +91,16 @@ fn make_image(path: &std::path::Path, size_mb: u64) -> Result<()> {
                 String::from_utf8_lossy(&output.stderr).trim()
             )));
         }
-        std::fs::rename(&tmp, path).map_err(|e| io_error("renaming", &tmp, e))
+        // On the disk before it has its name, and the name on the disk
+        // before the create is acknowledged: a power cut leaves either no
+        // image or a whole one.
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io_error("syncing", &tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io_error("renaming", &tmp, e))?;
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io_error("syncing", dir, e))
     })();
     if made.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -141,7 +141,19 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> Result<(), Ima
             .and_then(|_| f.sync_all())
             .ctx(|| format!("writing {}", tmp.display()))?;
     }
-    fs::rename(&tmp, path).ctx(|| format!("renaming {} into place", path.display()))
+    fs::rename(&tmp, path).ctx(|| format!("renaming {} into place", path.display()))?;
+    sync_parent(path)
+}
+
+/// Puts a rename into `path`'s directory on the disk.
+fn sync_parent(path: &Path) -> Result<(), ImageError> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .ctx(|| format!("syncing {}", dir.display()))
 }
 
 /// Builds a layer directory atomically: `fill` populates a fresh temporary
@@ -178,8 +190,18 @@ pub fn build_layer<T: Serialize>(
         info,
     };
     write_json_atomic(&tmp.join(RECORD_FILE), &record)?;
+    // The layer's files are on the disk before the directory takes its
+    // name: a power cut must not leave a record over half-written files,
+    // which later bakes would take as a cache hit. One syncfs, not a walk:
+    // a bake is rare and its files are large.
+    let handle = fs::File::open(&tmp).ctx(|| format!("opening {}", tmp.display()))?;
+    nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&handle))
+        .map_err(std::io::Error::from)
+        .ctx(|| format!("syncing {}", tmp.display()))?;
+    drop(handle);
     remove_path(dir)?;
     fs::rename(&tmp, dir).ctx(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+    sync_parent(dir)?;
     Ok(record)
 }
 
