@@ -30,6 +30,10 @@ pub struct HostArgs {
     /// Memory (MiB) kept free on the host; creates that would go below are refused with 507.
     #[arg(long, default_value_t = 1024)]
     pub memory_reserve_mib: u64,
+    /// Space (MiB) kept free on the state dir's file system; creates, forks,
+    /// wakes, snapshots and hibernations are refused with 507 while less is free.
+    #[arg(long, default_value_t = shoal_host::DEFAULT_DISK_RESERVE_MIB)]
+    pub disk_reserve_mib: u64,
     /// Sweep attempts starting at once (create, files, command start); 0
     /// for no limit. Default: one per two cores.
     #[arg(long)]
@@ -183,6 +187,7 @@ pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
         engine,
         max_sandboxes: args.max_sandboxes,
         memory_reserve_mib: args.memory_reserve_mib,
+        disk_reserve_mib: args.disk_reserve_mib,
     })
     .await
     .context("opening the host agent")?;

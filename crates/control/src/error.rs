@@ -95,6 +95,10 @@ impl From<HostError> for ApiError {
             HostError::Engine(e) => e.into(),
             HostError::Repl(e) => e.into(),
             HostError::NoSuchSession => Self::not_found("session not found"),
+            HostError::DiskShort { .. } => Self::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "insufficient host storage",
+            ),
             HostError::StorageShort { .. } => Self::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "insufficient host storage for volume",

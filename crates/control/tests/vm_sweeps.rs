@@ -36,6 +36,7 @@ async fn host() -> Arc<HostAgent> {
             engine,
             max_sandboxes: None,
             memory_reserve_mib: 0,
+            disk_reserve_mib: 0,
         })
         .await
         .expect("opening the host agent");

@@ -34,7 +34,15 @@ pub struct HostConfig {
     /// Memory the host keeps for itself: a create is refused (507) when
     /// less than this much would be left available.
     pub memory_reserve_mib: u64,
+    /// Space (MiB) kept free on the file system of the engine's state dir:
+    /// a create, fork, wake, snapshot or hibernation is refused (507) while
+    /// less is free. 0: no check.
+    pub disk_reserve_mib: u64,
 }
+
+/// The default of [`HostConfig::disk_reserve_mib`]: room for a few
+/// snapshots' memory files and the database's growth.
+pub const DEFAULT_DISK_RESERVE_MIB: u64 = 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
@@ -52,6 +60,12 @@ pub enum HostError {
         "insufficient host storage for volume: {available_mb} MiB free, {wanted_mb} MiB wanted"
     )]
     StorageShort { available_mb: u64, wanted_mb: u64 },
+    /// The state disk has less free than its reserve: nothing was written.
+    #[error("insufficient host storage: {available_mib} MiB free on the state disk, {reserve_mib} MiB reserved")]
+    DiskShort {
+        available_mib: u64,
+        reserve_mib: u64,
+    },
     /// Making or removing a volume image failed.
     #[error("volume image: {0}")]
     Volume(String),
@@ -85,7 +99,8 @@ impl HostAgent {
         let engine = Engine::open(config.engine.clone()).await?;
         Ok(Arc::new(HostAgent {
             engine,
-            capacity: Capacity::new(config.max_sandboxes, config.memory_reserve_mib),
+            capacity: Capacity::new(config.max_sandboxes, config.memory_reserve_mib)
+                .with_disk_reserve(&config.engine.state_dir, config.disk_reserve_mib),
             sessions: repl::Sessions::default(),
         }))
     }
@@ -156,9 +171,27 @@ impl HostAgent {
     }
 
     pub async fn hibernate(&self, id: &str) -> Result<()> {
+        // The sandbox keeps running when its memory cannot be written.
+        self.capacity.check_disk()?;
         // A kernel's process survives hibernation, but its channel does not.
         self.sessions.close_all(id).await;
         Ok(self.engine.hibernate(id).await?)
+    }
+
+    /// Takes a snapshot of a running sandbox (its memory and disk, written
+    /// to the state disk), refused (507) while that disk is short. Returns
+    /// the snapshot's id.
+    pub async fn snapshot(&self, id: &str) -> Result<String> {
+        self.capacity.check_disk()?;
+        Ok(self.engine.snapshot(id).await?)
+    }
+
+    /// Deletes a snapshot of this host: new sandboxes can no longer be made
+    /// from it, and its files go once no sandbox restored from it still
+    /// runs. A snapshot this host does not hold is
+    /// [`EngineError::NoSuchSnapshot`].
+    pub async fn delete_snapshot(&self, snapshot: &str) -> Result<()> {
+        Ok(self.engine.delete_snapshot(snapshot).await?)
     }
 
     pub async fn start_session(&self, sandbox: &str) -> Result<String> {
