@@ -23,6 +23,7 @@ mod proxy;
 mod repl;
 mod runner;
 mod sandboxes;
+mod snapshots;
 mod sweeps;
 mod usage;
 mod volumes;
@@ -35,7 +36,7 @@ pub use runner::RunnerConfig;
 use axum::routing::{any, get, post};
 use axum::Router;
 use shoal_host::HostAgent;
-use shoal_store::{Account, Store, Tier, TierLimits, VolumeLimits};
+use shoal_store::{Account, SnapshotLimits, Store, Tier, TierLimits, VolumeLimits};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -50,6 +51,7 @@ pub struct ControlConfig {
     pub host_name: String,
     pub limits: HashMap<Tier, TierLimits>,
     pub volume_limits: HashMap<Tier, VolumeLimits>,
+    pub snapshot_limits: HashMap<Tier, SnapshotLimits>,
     pub lifecycle: LifecycleConfig,
     pub sweeps: RunnerConfig,
     pub apps: AppsConfig,
@@ -66,6 +68,10 @@ impl Default for ControlConfig {
             volume_limits: [Tier::Free, Tier::Pro, Tier::Team]
                 .into_iter()
                 .map(|t| (t, VolumeLimits::default_for(t)))
+                .collect(),
+            snapshot_limits: [Tier::Free, Tier::Pro, Tier::Team]
+                .into_iter()
+                .map(|t| (t, SnapshotLimits::default_for(t)))
                 .collect(),
             lifecycle: LifecycleConfig::default(),
             sweeps: RunnerConfig::default(),
@@ -116,6 +122,14 @@ impl ControlPlane {
             .unwrap_or_else(|| VolumeLimits::default_for(tier))
     }
 
+    pub fn snapshot_limits(&self, tier: Tier) -> SnapshotLimits {
+        self.config
+            .snapshot_limits
+            .get(&tier)
+            .copied()
+            .unwrap_or_else(|| SnapshotLimits::default_for(tier))
+    }
+
     /// The account of `token`, from a short cache in front of the store (the
     /// cache is keyed by the token's hash, like the store).
     async fn authenticate(&self, token: &str) -> ApiResult<Option<Account>> {
@@ -159,6 +173,10 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route("/v1/me", get(meta::me))
         .route("/v1/templates", get(meta::templates))
         .route("/v1/snapshots", get(meta::snapshots))
+        .route(
+            "/v1/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
         .route("/v1/volumes", post(volumes::create).get(volumes::list))
         .route(
             "/v1/volumes/{name}",

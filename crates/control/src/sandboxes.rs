@@ -658,28 +658,39 @@ async fn snapshot_detached(
     account: Account,
     id: String,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
+    cp.owned(&account, &id).await?;
+    // Refused before the capture, which writes the sandbox's whole memory;
+    // checked again, atomically, when the record is written.
+    let limits = cp.snapshot_limits(account.tier);
+    cp.store.check_snapshot_quota(&account, &limits).await?;
     let row = cp.running(&account, &id).await?;
-    let snapshot = cp.host.engine().snapshot(&id).await?;
-    let size = cp
-        .host
-        .engine()
-        .snapshots()
-        .into_iter()
-        .find(|m| m.id == snapshot)
-        .and_then(|m| std::fs::metadata(&m.memory_file).ok())
-        .map(|meta| std::os::unix::fs::MetadataExt::blocks(&meta) as i64 * 512);
+    let snapshot = cp.host.snapshot(&id).await?;
+    let size = crate::snapshots::capture_bytes(&cp, &snapshot);
     let created = now();
-    cp.store
-        .insert_snapshot(&SnapshotRow {
-            id: snapshot.clone(),
-            account_id: account.id,
-            sandbox_id: Some(id.clone()),
-            template: row.template.clone(),
-            size_bytes: size,
-            host: Some(cp.config.host_name.clone()),
-            created_at: created,
-        })
-        .await?;
+    let recorded = cp
+        .store
+        .record_snapshot(
+            &account,
+            &SnapshotRow {
+                id: snapshot.clone(),
+                account_id: account.id,
+                sandbox_id: Some(id.clone()),
+                template: row.template.clone(),
+                size_bytes: size,
+                host: Some(cp.config.host_name.clone()),
+                created_at: created,
+            },
+            &limits,
+        )
+        .await;
+    if let Err(e) = recorded {
+        // A concurrent snapshot took the last place, or the database
+        // failed: no record, so no files either.
+        if let Err(cleanup) = cp.host.delete_snapshot(&snapshot).await {
+            tracing::warn!(snapshot, error = %cleanup, "removing an unrecorded snapshot");
+        }
+        return Err(e.into());
+    }
     Ok((
         StatusCode::CREATED,
         Json(json!({

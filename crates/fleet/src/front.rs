@@ -22,6 +22,8 @@
 //!   host is stale, reading or deleting the row still works (any live agent
 //!   answers from the database), anything else is 503 `sandbox host
 //!   unavailable` with `Retry-After: 15`.
+//! - a request about one snapshot: to the host that holds its files; a
+//!   read works from any agent when that host is stale, a delete is 503.
 //! - the fleet-internal routes (`/v1/fleet/...`, fleet token): heartbeats,
 //!   the configuration an agent starts with, the hosts as placement sees
 //!   them.
@@ -437,6 +439,7 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/sandboxes", post(create).fallback(elsewhere))
         .route("/v1/volumes", post(create_volume).fallback(elsewhere))
         .route("/v1/volumes/{name}", any(about_volume))
+        .route("/v1/snapshots/{id}", any(about_snapshot))
         .route("/v1/sandboxes/{id}", any(about_sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(about_sandbox))
         .route("/v1/apps", post(create).fallback(elsewhere))
@@ -577,6 +580,26 @@ async fn about_sandbox(
     let whole_row = !params.contains_key("rest");
     front
         .forward_home(home.as_deref(), whole_row, parts, body)
+        .await
+}
+
+/// A request about one snapshot goes to the host whose disk holds it (a
+/// delete frees its files there); reading it works from any agent when that
+/// host is stale, deleting it is 503 `sandbox host unavailable`.
+async fn about_snapshot(State(front): St, Path(id): Path<String>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts.headers).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
+    let home = match front.store.get_snapshot(account.id, &id).await {
+        Ok(Some(row)) => row.host,
+        Ok(None) => return refuse(StatusCode::NOT_FOUND, "snapshot not found", None),
+        Err(e) => return database_error(e),
+    };
+    let readable = parts.method == Method::GET;
+    front
+        .forward_home(home.as_deref(), readable, parts, body)
         .await
 }
 

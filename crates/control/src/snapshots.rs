@@ -1,0 +1,107 @@
+//! One snapshot: `GET` and `DELETE /v1/snapshots/{id}` (the SDK's
+//! `snapshots.get` / `snapshots.delete`), and what a snapshot weighs against
+//! its account's quota. Taking one is `POST /v1/sandboxes/{id}/snapshots`
+//! (`sandboxes.rs`); the list is `meta.rs`.
+//!
+//! A snapshot's record (the store) and its files (the engine's capture on
+//! the host in the record) go together: a delete demotes the capture first,
+//! so no new sandbox can be made from it, then drops the record; the files
+//! go once no sandbox restored from it still runs on that host.
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::Caller;
+use crate::{rfc3339, ControlPlane};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde_json::{json, Value};
+use shoal_host::{EngineError, HostError};
+use shoal_store::SnapshotRow;
+use std::os::unix::fs::MetadataExt;
+use std::sync::Arc;
+
+type St = State<Arc<ControlPlane>>;
+
+/// A snapshot as the API shows it (the same fields as the list).
+pub(crate) fn snapshot_json(row: &SnapshotRow) -> Value {
+    json!({
+        "id": row.id,
+        "sandbox_id": row.sandbox_id,
+        "template": row.template,
+        "size_bytes": row.size_bytes,
+        "created_at": rfc3339(row.created_at),
+    })
+}
+
+fn not_found() -> ApiError {
+    ApiError::not_found("snapshot not found")
+}
+
+pub async fn get(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let row = cp
+        .store
+        .get_snapshot(account.id, &id)
+        .await?
+        .ok_or_else(not_found)?;
+    Ok(Json(snapshot_json(&row)))
+}
+
+pub async fn delete(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    crate::sandboxes::detached(async move {
+        let row = cp
+            .store
+            .get_snapshot(account.id, &id)
+            .await?
+            .ok_or_else(not_found)?;
+        // The files are on the host in the row; a fleet's front sends the
+        // request there. Dropping only the record would leak them.
+        if row
+            .host
+            .as_deref()
+            .is_some_and(|h| h != cp.config.host_name)
+        {
+            let mut refusal =
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "snapshot host unavailable");
+            refusal.retry_after = Some(15);
+            return Err(refusal);
+        }
+        match cp.host.delete_snapshot(&id).await {
+            // Files already gone (an earlier delete that lost its record's
+            // removal, a wiped state dir): the record goes all the same.
+            Ok(()) | Err(HostError::Engine(EngineError::NoSuchSnapshot(_))) => {}
+            Err(e) => return Err(e.into()),
+        }
+        cp.store.delete_snapshot(account.id, &id).await?;
+        Ok(StatusCode::NO_CONTENT)
+    })
+    .await
+}
+
+/// Bytes the host's disk holds for the capture `snapshot`: the allocated
+/// blocks of its directory's files and of its memory file (sparse files
+/// count what they hold, not their length).
+pub(crate) fn capture_bytes(cp: &ControlPlane, snapshot: &str) -> Option<i64> {
+    let engine = cp.host.engine();
+    let dir = engine.state_dir().join("captures").join(snapshot);
+    let mut total: u64 = std::fs::read_dir(&dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.blocks() * 512)
+        .sum();
+    if let Some(manifest) = engine.snapshots().into_iter().find(|m| m.id == snapshot) {
+        if !manifest.memory_file.starts_with(&dir) {
+            total += std::fs::metadata(&manifest.memory_file).map_or(0, |m| m.blocks() * 512);
+        }
+    }
+    i64::try_from(total).ok()
+}
