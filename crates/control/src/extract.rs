@@ -59,6 +59,15 @@ impl<T: DeserializeOwned + Default> Body<T> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Body(T::default()));
         }
+        // serde_json skips the strings of fields nobody reads without
+        // checking them: a body that is not UTF-8 is refused whole.
+        std::str::from_utf8(&bytes)
+            .map_err(|e| ApiError::bad_request(format!("the body is not UTF-8: {e}")))?;
+        // A derived struct also reads from a JSON array (`[]` would be
+        // every field's default): the API's bodies are objects.
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(ApiError::bad_request("the body must be a JSON object"));
+        }
         serde_json::from_slice(&bytes)
             .map(Body)
             .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
