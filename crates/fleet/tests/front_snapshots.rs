@@ -1,0 +1,157 @@
+//! The front sends a request about one snapshot to the host whose disk
+//! holds it (a delete frees its files there): GET and DELETE by id go to
+//! the host in the snapshot's row; another account's or an unknown id stops
+//! at the front with 404; while that host is stale a GET goes to any live
+//! agent and a DELETE is 503 with Retry-After. The agents are stand-ins that
+//! answer with their own name; the database (SQLite) and HTTP are real.
+
+use axum::extract::Request;
+use axum::routing::any;
+use serde_json::{json, Value};
+use shoal_fleet::front::{self, Front, FrontConfig};
+use shoal_store::{HostReport, SnapshotRow, Store, Tier};
+use std::time::Duration;
+
+/// A stand-in agent: answers every request with its name, method, path
+/// and X-Forwarded-Host.
+async fn stand_in(name: &'static str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new().fallback(any(move |request: Request| async move {
+        let forwarded = request
+            .headers()
+            .get("x-forwarded-host")
+            .map(|v| v.to_str().unwrap().to_owned());
+        axum::Json(json!({
+            "host": name,
+            "method": request.method().as_str(),
+            "path": request.uri().path(),
+            "forwarded_host": forwarded,
+        }))
+    }));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+fn report(id: &str, url: &str, available_mib: u64) -> HostReport {
+    HostReport {
+        id: id.into(),
+        url: url.into(),
+        vcpus: 2,
+        cpu_busy: 0.0,
+        memory_mib: 16_000,
+        available_mib,
+        reserve_mib: 1_024,
+        sandboxes: 0,
+        max_sandboxes: None,
+        pss_mib: 0,
+        draining: false,
+    }
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+#[tokio::test]
+async fn snapshots_are_routed_to_the_host_that_holds_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("shoal.db").display());
+    let store = Store::connect(&url).await.unwrap();
+    let (h1, h2) = (stand_in("h1").await, stand_in("h2").await);
+    store
+        .report_host(&report("h1", &h1, 2_000), now())
+        .await
+        .unwrap();
+    store
+        .report_host(&report("h2", &h2, 14_000), now())
+        .await
+        .unwrap();
+    let token = store.create_token("alice", Tier::Team).await.unwrap();
+    let account = store.authenticate(&token).await.unwrap().unwrap();
+    for (id, host) in [("snap-on-h1", "h1"), ("snap-on-gone", "h-gone")] {
+        store
+            .insert_snapshot(&SnapshotRow {
+                id: id.into(),
+                account_id: account.id,
+                sandbox_id: None,
+                template: "base".into(),
+                size_bytes: Some(1),
+                host: Some(host.into()),
+                created_at: now(),
+            })
+            .await
+            .unwrap();
+    }
+
+    let front = Front::new(
+        store.clone(),
+        FrontConfig {
+            fleet_token: "fleet".into(),
+            database_url: url,
+            lost_check: Duration::from_secs(3600),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, front::router(front)).await.unwrap();
+    });
+    let base = format!("http://{address}");
+    let http = reqwest::Client::new();
+    let call = |method: reqwest::Method, path: &str, token: &str| {
+        http.request(method, format!("{base}{path}"))
+            .bearer_auth(token)
+            .send()
+    };
+
+    // Whatever h2's better placement score, h1 holds the files.
+    for method in [reqwest::Method::GET, reqwest::Method::DELETE] {
+        let answer: Value = call(method.clone(), "/v1/snapshots/snap-on-h1", &token)
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(answer["host"], "h1", "{method}: {answer}");
+        assert_eq!(answer["path"], "/v1/snapshots/snap-on-h1");
+        assert_eq!(answer["method"], method.as_str());
+    }
+    // Another account's and unknown ids stop at the front.
+    let bob = store.create_token("bob", Tier::Team).await.unwrap();
+    for (path, token) in [
+        ("/v1/snapshots/snap-on-h1", bob.as_str()),
+        ("/v1/snapshots/nope", token.as_str()),
+    ] {
+        let answer = call(reqwest::Method::DELETE, path, token).await.unwrap();
+        assert_eq!(answer.status(), reqwest::StatusCode::NOT_FOUND, "{path}");
+    }
+    // Its host is gone: a read from any agent, a delete refused.
+    let answer: Value = call(reqwest::Method::GET, "/v1/snapshots/snap-on-gone", &token)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(answer["host"] == "h1" || answer["host"] == "h2", "{answer}");
+    let answer = call(
+        reqwest::Method::DELETE,
+        "/v1/snapshots/snap-on-gone",
+        &token,
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.headers()["retry-after"], "15");
+    // The list goes to any agent, as before.
+    let list: Value = call(reqwest::Method::GET, "/v1/snapshots", &token)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["path"], "/v1/snapshots");
+}
