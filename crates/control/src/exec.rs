@@ -318,7 +318,7 @@ mod tests {
             f64::INFINITY,
             MAX_TIMEOUT_SECONDS + 1.0,
         ] {
-            let err = body(bad).request().err().expect("refused");
+            let err = body(bad).request().expect_err("refused");
             assert_eq!(err.status, StatusCode::BAD_REQUEST, "{bad}");
             assert!(err.message.contains("timeout_seconds"), "{}", err.message);
         }
