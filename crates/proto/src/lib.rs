@@ -45,6 +45,9 @@
 //! `Stdout`/`Stderr`/`Data` payload unacknowledged; the host returns credit
 //! with `Credit { bytes }` under the call's id as it consumes them. One slow
 //! reader therefore cannot fill the shared channel and stall other calls.
+//! The host holds the agent to it: more stream payload than the credit it
+//! granted and has not had back ends the connection (the `client` module),
+//! so what the host buffers per call is bounded by the window.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
