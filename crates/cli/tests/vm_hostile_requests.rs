@@ -484,9 +484,7 @@ fn shots(real: &str) -> Vec<Shot> {
 }
 
 async fn fire(http: &reqwest::Client, base: &str, token: &str, shot: &Shot) -> Result<u16, String> {
-    // A sweep's body may be larger (its files): it is read whole and refused.
-    if shot.body.as_ref().is_some_and(|b| b.len() > 1 << 20) && !shot.path.starts_with("/v1/sweeps")
-    {
+    if shot.body.as_ref().is_some_and(|b| b.len() > 1 << 20) {
         return oversized(base, token, shot).await;
     }
     let mut request = http
@@ -508,34 +506,50 @@ async fn fire(http: &reqwest::Client, base: &str, token: &str, shot: &Shot) -> R
     Ok(status)
 }
 
-/// A body over the server's limit, declared by Content-Length: the server
-/// answers before reading it and closes, so the body is not sent (a client
-/// still writing it would see the close as a broken pipe, not the answer).
+/// A body over the server's limit: a server may answer before reading it
+/// and close, so the body is written beside reading the answer and a write
+/// cut short by that close is no failure (reqwest would report the broken
+/// pipe, not the answer). A sweep's larger limit reads it whole first.
 async fn oversized(base: &str, token: &str, shot: &Shot) -> Result<u16, String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let address = base.trim_start_matches("http://");
-    let mut stream = tokio::net::TcpStream::connect(address)
+    let stream = tokio::net::TcpStream::connect(address)
         .await
         .map_err(|e| e.to_string())?;
+    let (mut read, mut write) = stream.into_split();
     let auth = shot
         .bad_token
         .map_or_else(|| format!("Bearer {token}"), str::to_string);
+    let body = shot.body.clone().unwrap_or_default();
     let head = format!(
         "{} {} HTTP/1.1\r\nHost: {address}\r\nAuthorization: {auth}\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         shot.method,
         shot.path,
-        shot.body.as_ref().map_or(0, Vec::len)
+        body.len()
     );
-    stream
-        .write_all(head.as_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
+    let writer = tokio::spawn(async move {
+        let _ = write.write_all(head.as_bytes()).await;
+        let _ = write.write_all(&body).await;
+        write
+    });
+    // Read until the end; a reset after the answer (the server closing on
+    // the body it did not read) still leaves the answer read.
     let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer))
-        .await
-        .map_err(|_| "no answer in 30 s".to_string())?
-        .map_err(|e| e.to_string())?;
+    let reading = async {
+        let mut chunk = [0u8; 4096];
+        loop {
+            match read.read(&mut chunk).await {
+                Ok(0) => return Ok(()),
+                Ok(n) => answer.extend_from_slice(&chunk[..n]),
+                Err(e) if answer.is_empty() => return Err(e.to_string()),
+                Err(_) => return Ok(()),
+            }
+        }
+    };
+    let read = tokio::time::timeout(Duration::from_secs(30), reading).await;
+    writer.abort();
+    read.map_err(|_| "no answer in 30 s".to_string())??;
     let text = String::from_utf8_lossy(&answer);
     text.strip_prefix("HTTP/1.1 ")
         .and_then(|rest| rest.get(..3)?.parse().ok())
