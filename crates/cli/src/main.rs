@@ -43,6 +43,14 @@ pub(crate) struct EngineArgs {
     /// not wait for one to be made.
     #[arg(long, env = "SHOAL_NET_POOL_SIZE")]
     net_pool_size: Option<usize>,
+    /// Each QEMU runs as uid = gid = this plus its network slot's index
+    /// (0-16383): a range no account on the host may use.
+    #[arg(long, env = "SHOAL_VM_UID_BASE", default_value_t = shoal_engine::jail::DEFAULT_UID_BASE)]
+    vm_uid_base: u32,
+    /// Memory a VM's cgroup may hold beyond its guest RAM (QEMU itself, its
+    /// translation cache, page cache).
+    #[arg(long, env = "SHOAL_VM_MEMORY_OVERHEAD_MIB", default_value_t = 256)]
+    vm_memory_overhead_mib: u32,
 }
 
 impl EngineArgs {
@@ -56,6 +64,8 @@ impl EngineArgs {
         if let Some(size) = self.net_pool_size {
             config.net_pool_size = size;
         }
+        config.jail.uid_base = self.vm_uid_base;
+        config.jail.memory_overhead_mib = self.vm_memory_overhead_mib;
         config
     }
 

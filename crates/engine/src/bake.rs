@@ -15,7 +15,6 @@ use crate::net::NetSlot;
 use crate::qemu::{self, Boot, LaunchSpec, MACHINE_LAYOUT_VERSION};
 use crate::vm::{connect_unix, kill_process_group, with_qemu_log};
 use crate::{lock_file, Engine};
-use serde_json::json;
 use sha2::{Digest, Sha256};
 use shoal_proto::client::{AgentClient, ExecRequest};
 use std::path::{Path, PathBuf};
@@ -223,10 +222,12 @@ impl Engine {
             },
             net_namespace: -1,
             volume_slots: crate::volume::bake_slots(dir)?,
+            confinement: qemu::Confinement::pending(),
         };
-        let booted = cold_boot(&launch, self.net.take().await?).await?;
+        let booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
         let ColdBoot {
             _net,
+            _jail,
             mut child,
             pid,
             qmp,
@@ -259,11 +260,7 @@ impl Engine {
             agent.sync().await?;
             bar.set_message(format!("{name}: saving the snapshot"));
             qmp.stop().await?;
-            qmp.execute_value(
-                "xen-save-devices-state",
-                Some(json!({"filename": dir.join("devices").display().to_string(), "live": true})),
-            )
-            .await?;
+            qemu::save_device_state(&qmp, &dir.join("devices")).await?;
             qmp.quit().await?;
             Ok::<(), EngineError>(())
         }
@@ -287,6 +284,7 @@ impl Engine {
 struct ColdBoot {
     /// Held until QEMU is gone.
     _net: NetSlot,
+    _jail: crate::jail::VmJail,
     child: tokio::process::Child,
     pid: u32,
     qmp: shoal_qmp::Qmp,
@@ -296,10 +294,16 @@ struct ColdBoot {
 
 /// Boots `launch` from its kernel and waits for the guest agent. On failure
 /// the QEMU process is killed.
-async fn cold_boot(launch: &LaunchSpec, net: NetSlot) -> Result<ColdBoot> {
+async fn cold_boot(
+    launch: &LaunchSpec,
+    net: NetSlot,
+    jail: &crate::jail::Jail,
+) -> Result<ColdBoot> {
     let started = std::time::Instant::now();
     let mut launch = launch.clone();
     launch.net_namespace = net.ns_fd();
+    let vm_jail = jail.for_vm(net.index, launch.vcpus, launch.memory_mib)?;
+    launch.confinement = qemu::Confinement::of(&vm_jail);
     let mut child = launch.spawn(None)?;
     let pid = child.id().unwrap_or(0);
     let dir = &launch.dir;
@@ -319,6 +323,7 @@ async fn cold_boot(launch: &LaunchSpec, net: NetSlot) -> Result<ColdBoot> {
     match connected {
         Ok((qmp, agent)) => Ok(ColdBoot {
             _net: net,
+            _jail: vm_jail,
             child,
             pid,
             qmp,
@@ -386,8 +391,9 @@ impl Engine {
                 },
                 net_namespace: -1,
                 volume_slots: crate::volume::bake_slots(&dir)?,
+                confinement: qemu::Confinement::pending(),
             };
-            let mut booted = cold_boot(&launch, self.net.take().await?).await?;
+            let mut booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
             kill_process_group(booted.pid);
             let _ = booted.child.wait().await;
             Ok(booted.boot_ms)

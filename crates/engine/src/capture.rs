@@ -14,7 +14,6 @@ use crate::manifest::{now_unix_ms, Kind, Manifest};
 use crate::memory;
 use crate::vm::{Vm, VmInner, VmState};
 use crate::Engine;
-use serde_json::json;
 
 /// How long a capture waits for the guest agent to settle (it gives up on
 /// its own after two seconds).
@@ -106,13 +105,7 @@ async fn capture_into(
         })
         .await
         .expect("page copy task does not panic")?;
-        let devices = dir.join("devices");
-        live.qmp
-            .execute_value(
-                "xen-save-devices-state",
-                Some(json!({"filename": devices.display().to_string(), "live": true})),
-            )
-            .await?;
+        crate::qemu::save_device_state(&live.qmp, &dir.join("devices")).await?;
         // QEMU flushed the disk when it stopped, so the layer file is whole.
         memory::copy_sparse(&vm.dir.join("disk.qcow2"), &dir.join("disk.qcow2"))?;
         Ok::<(), EngineError>(())

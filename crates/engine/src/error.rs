@@ -51,6 +51,12 @@ pub enum EngineError {
     },
     #[error("timed out {0}")]
     Timeout(String),
+    /// The kernel killed the VM's QEMU for exceeding its memory limit.
+    #[error("sandbox {0} was killed: out of memory")]
+    OutOfMemory(String),
+    /// The VM's QEMU ended without the engine asking; only delete remains.
+    #[error("sandbox {id} has failed: {reason}")]
+    Failed { id: String, reason: String },
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

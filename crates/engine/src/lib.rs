@@ -36,7 +36,9 @@
 pub mod accel;
 mod bake;
 mod capture;
+pub mod cgroup;
 pub mod error;
+pub mod jail;
 pub mod manifest;
 pub mod memory;
 pub mod net;
@@ -84,6 +86,8 @@ pub struct EngineConfig {
     /// Where guests' DNS queries (to their gateway) are sent; `None`: the
     /// host's own resolver ([`net::host_resolver`]).
     pub dns_upstream: Option<std::net::Ipv4Addr>,
+    /// How each QEMU is contained: uid range, jail root, cgroup limits.
+    pub jail: jail::JailConfig,
 }
 
 impl EngineConfig {
@@ -98,6 +102,7 @@ impl EngineConfig {
             fork_memory_dir: None,
             net_pool_size: 4,
             dns_upstream: None,
+            jail: jail::JailConfig::default(),
         }
     }
 
@@ -147,6 +152,16 @@ pub struct SandboxInfo {
     pub host_veth: Option<String>,
     /// Volume names, in slot order, each mounted at `/mnt/volumes/<name>`.
     pub volumes: Vec<String>,
+    /// Why it failed, if its QEMU died ([`vm::OUT_OF_MEMORY`] when the
+    /// kernel killed it for memory); a failed sandbox can only be deleted.
+    pub failure: Option<String>,
+}
+
+/// A sandbox whose QEMU died without the engine asking.
+#[derive(Debug, Clone)]
+pub struct VmFailure {
+    pub id: String,
+    pub reason: String,
 }
 
 /// What a create may choose besides its source.
@@ -195,6 +210,8 @@ pub struct Engine {
     /// them yet, but they must not be collected.
     pinned: Mutex<HashMap<String, usize>>,
     pub(crate) net: Arc<net::NetPool>,
+    pub(crate) jail: jail::Jail,
+    failures: tokio::sync::broadcast::Sender<VmFailure>,
     _lock: std::fs::File,
 }
 
@@ -236,6 +253,7 @@ impl Engine {
                     .io_context(|| format!("creating {}", dir.display()))?;
             }
         }
+        let jail = jail::Jail::open(config.jail.clone())?;
         let dns = config.dns_upstream.unwrap_or_else(net::host_resolver);
         let net = net::NetPool::open(config.net_pool_size, dns)?;
         let engine = Engine {
@@ -246,6 +264,8 @@ impl Engine {
             gc_lock: tokio::sync::Mutex::new(()),
             pinned: Mutex::new(HashMap::new()),
             net,
+            jail,
+            failures: tokio::sync::broadcast::channel(256).0,
             _lock: lock,
         };
         for record in hibernated {
@@ -258,6 +278,7 @@ impl Engine {
                     live: None,
                 }),
                 state_now: Mutex::new((VmState::Hibernated, None)),
+                failure: Mutex::new(None),
                 created_unix_ms: record.created_unix_ms,
                 restore_ms: Mutex::new(0.0),
                 allow_internet: record.allow_internet,
@@ -405,6 +426,7 @@ impl Engine {
                 live: None,
             }),
             state_now: Mutex::new((VmState::Running, None)),
+            failure: Mutex::new(None),
             created_unix_ms: manifest::now_unix_ms(),
             restore_ms: Mutex::new(0.0),
             allow_internet: options.allow_internet,
@@ -433,7 +455,7 @@ impl Engine {
         }
     }
 
-    async fn bring_up(&self, vm: &Vm, source: &Manifest) -> Result<()> {
+    async fn bring_up(&self, vm: &Arc<Vm>, source: &Manifest) -> Result<()> {
         std::fs::create_dir_all(&vm.dir).io_context(|| format!("creating {}", vm.dir.display()))?;
         let mut inner = vm.inner.lock().await;
         // vm.json goes first with no pid, so a crash mid-restore is reaped.
@@ -449,7 +471,12 @@ impl Engine {
     /// Restores `vm` from `source` with its volumes behind their slots, then
     /// has the guest mount them (a new sandbox) or thaw them (a wake). On
     /// failure the process is killed.
-    async fn restore_vm(&self, vm: &Vm, source: &Manifest, step: volume::Step) -> Result<vm::Live> {
+    async fn restore_vm(
+        &self,
+        vm: &Arc<Vm>,
+        source: &Manifest,
+        step: volume::Step,
+    ) -> Result<vm::Live> {
         let overlay = self.empty_overlay(source)?;
         let placeholder = self.volume_placeholder()?;
         let ctx = RestoreContext {
@@ -457,9 +484,10 @@ impl Engine {
             accel: self.accel,
             empty_overlay: &overlay,
             volume_placeholder: &placeholder,
+            jail: &self.jail,
         };
         let net = self.net.take().await?;
-        let mut live = vm::restore(
+        let live = vm::restore(
             &ctx,
             &vm.id,
             &vm.dir,
@@ -470,11 +498,36 @@ impl Engine {
         )
         .await?;
         if let Err(e) = volume::after_restore(&live.agent, &vm.volumes, step).await {
-            vm::kill_process_group(live.pid);
-            let _ = live.child.wait().await;
+            live.terminate().await;
+            return Err(e);
+        }
+        let failures = self.failures.clone();
+        let dead = Arc::downgrade(vm);
+        let watched = vm::watch_exit(
+            live.pid,
+            live.stopping.clone(),
+            live.jail.cgroup.oom_counter(),
+            move |reason| {
+                let Some(vm) = dead.upgrade() else { return };
+                tracing::warn!(sandbox = vm.id, reason, "sandbox failed");
+                *vm.failure.lock().unwrap() = Some(reason.clone());
+                let _ = failures.send(VmFailure {
+                    id: vm.id.clone(),
+                    reason,
+                });
+            },
+        );
+        if let Err(e) = watched {
+            live.terminate().await;
             return Err(e);
         }
         Ok(live)
+    }
+
+    /// Sandboxes whose QEMU dies from now on, as it happens (the control
+    /// plane marks their rows `failed` with the reason).
+    pub fn failures(&self) -> tokio::sync::broadcast::Receiver<VmFailure> {
+        self.failures.subscribe()
     }
 
     /// The file behind unused volume slots, made once in the cache.
@@ -532,6 +585,7 @@ impl Engine {
             allow_internet: vm.allow_internet,
             host_veth: inner.live.as_ref().map(|l| l.net.host_veth()),
             volumes: vm.volumes.iter().map(|v| v.name.clone()).collect(),
+            failure: vm.failure.lock().unwrap().clone(),
         }
     }
 
@@ -559,6 +613,7 @@ impl Engine {
     /// The guest agent of a running sandbox, for exec and files.
     pub async fn agent(&self, id: &str) -> Result<AgentClient> {
         let vm = self.vm(id)?;
+        failed(&vm)?;
         let inner = vm.inner.lock().await;
         match (&inner.live, inner.state) {
             (Some(live), VmState::Running) => Ok(live.agent.clone()),
@@ -744,10 +799,11 @@ impl Engine {
                     return Err(e);
                 }
             };
-            if let Some(mut live) = inner.live.take() {
+            if let Some(live) = inner.live.take() {
+                live.stopping
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
                 let _ = live.qmp.quit().await;
-                vm::kill_process_group(live.pid);
-                let _ = live.child.wait().await;
+                live.terminate().await;
             }
             for leftover in ["disk.qcow2", "qmp.sock", "agent.sock"] {
                 let _ = std::fs::remove_file(vm.dir.join(leftover));
@@ -804,12 +860,11 @@ impl Engine {
                     }
                 }
             }
-            if let Some(mut live) = inner.live.take() {
+            if let Some(live) = inner.live.take() {
                 // A dying process still needs CPU to free its memory: in
                 // the background that waits behind every busy guest.
                 let _ = priority::apply(&self.config.proc_root, live.pid, CpuPriority::Normal);
-                vm::kill_process_group(live.pid);
-                let _ = live.child.wait().await;
+                live.terminate().await;
             }
             !inner.source.captures_needed().is_empty()
         };
@@ -919,7 +974,20 @@ fn refuse_capture_with_volumes(vm: &Vm) -> Result<()> {
     Err(EngineError::HasVolumes(vm.id.clone()))
 }
 
+/// A sandbox whose QEMU died answers nothing but a delete.
+fn failed(vm: &Vm) -> Result<()> {
+    match vm.failure.lock().unwrap().clone() {
+        Some(reason) if reason == vm::OUT_OF_MEMORY => Err(EngineError::OutOfMemory(vm.id.clone())),
+        Some(reason) => Err(EngineError::Failed {
+            id: vm.id.clone(),
+            reason,
+        }),
+        None => Ok(()),
+    }
+}
+
 fn running<'a>(vm: &Vm, inner: &'a VmInner) -> Result<&'a vm::Live> {
+    failed(vm)?;
     match (&inner.live, inner.state) {
         (Some(live), VmState::Running) => Ok(live),
         _ => Err(EngineError::WrongState {

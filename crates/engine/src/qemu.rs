@@ -5,7 +5,8 @@
 //! nodes, the volume slots (virtio-blk devices baked into every template,
 //! since `microvm` has no hotplug), and starting QEMU in its own process
 //! group inside the VM's
-//! directory. Does not decide what to run: the engine hands it a
+//! directory, confined (`-chroot`, `-runas`, the seccomp sandbox, its
+//! cgroup: see `jail.rs`). Does not decide what to run: the engine hands it a
 //! [`LaunchSpec`]. Device order is part of every baked snapshot, so changing
 //! it must bump [`MACHINE_LAYOUT_VERSION`].
 
@@ -63,6 +64,40 @@ pub struct LaunchSpec {
     pub net_namespace: RawFd,
     /// What backs each of the [`VOLUME_SLOTS`] slots, in slot order.
     pub volume_slots: Vec<SlotBacking>,
+    /// Who QEMU becomes once it has opened its files.
+    pub confinement: Confinement,
+}
+
+/// The jail QEMU enters after set-up (see `jail.rs`): this uid and gid,
+/// this root, these cgroups (their `cgroup.procs`, open for writing).
+#[derive(Debug, Clone)]
+pub struct Confinement {
+    pub uid: u32,
+    pub gid: u32,
+    pub root: PathBuf,
+    pub cgroup_procs: Vec<RawFd>,
+}
+
+impl Confinement {
+    /// Stands in until the VM's slot, and so its uid, is known: a spec
+    /// with it is refused by [`LaunchSpec::spawn`].
+    pub fn pending() -> Confinement {
+        Confinement {
+            uid: 0,
+            gid: 0,
+            root: PathBuf::new(),
+            cgroup_procs: Vec::new(),
+        }
+    }
+
+    pub fn of(jail: &crate::jail::VmJail) -> Confinement {
+        Confinement {
+            uid: jail.uid,
+            gid: jail.gid,
+            root: jail.root.clone(),
+            cgroup_procs: jail.cgroup.attach_fds(),
+        }
+    }
 }
 
 /// The raw file behind one volume slot: a volume's ext4 image, or the
@@ -148,10 +183,23 @@ impl LaunchSpec {
         push("none");
         push("-serial");
         push(&format!("file:{}", console_log(&self.dir).display()));
-        // The sandbox forbids QEMU to spawn processes or gain privileges; it
-        // is why migration targets are handed over as descriptors.
+        // Once machine set-up is done (every file below opened, every socket
+        // bound), QEMU chroots into the empty jail and becomes the VM's own
+        // uid; what it must open later comes as a descriptor.
+        push("-chroot");
+        push(&self.confinement.root.display().to_string());
+        push("-runas");
+        push(&format!(
+            "{}:{}",
+            self.confinement.uid, self.confinement.gid
+        ));
+        // The seccomp sandbox forbids QEMU to spawn processes or touch
+        // resource controls. `elevateprivileges=allow` only because -runas
+        // itself calls setgid/setuid after the filter is in place (QEMU is
+        // killed by SIGSYS with `deny`); after the drop it holds no
+        // capability, and no_new_privs is set, so no set*id regains root.
         push("-sandbox");
-        push("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny");
+        push("on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny");
         push("-qmp");
         push(&format!(
             "unix:{},server=on,wait=off",
@@ -280,6 +328,14 @@ impl LaunchSpec {
     /// Starts QEMU in its own process group with the VM directory as its
     /// working directory; `incoming` becomes descriptor [`INCOMING_FD`].
     pub fn spawn(&self, incoming: Option<OwnedFd>) -> Result<tokio::process::Child> {
+        if self.confinement.uid == 0
+            || self.confinement.gid == 0
+            || !self.confinement.root.is_absolute()
+        {
+            return Err(crate::error::EngineError::Qemu {
+                message: format!("refusing to start QEMU unconfined ({:?})", self.confinement),
+            });
+        }
         let log = std::fs::File::create(qemu_log(&self.dir))
             .io_context(|| format!("creating {}", qemu_log(&self.dir).display()))?;
         let mut command = AsyncCommand::new(&self.qemu);
@@ -289,20 +345,24 @@ impl LaunchSpec {
             .stdin(Stdio::null())
             .stdout(log.try_clone().io_context(|| "cloning log handle".into())?)
             .stderr(log)
+            .env_clear()
             .process_group(0)
             .kill_on_drop(false);
         let incoming_raw = incoming.as_ref().map(|fd| fd.as_raw_fd());
         let namespace = self.net_namespace;
+        let cgroup_procs = self.confinement.cgroup_procs.clone();
         // SAFETY: between fork and exec only async-signal-safe calls are
-        // made (setns, dup2, fcntl); `incoming` stays open in the parent
-        // until spawn returns because it is moved into this closure, and
-        // the namespace descriptor is held by the caller's slot.
+        // made (setns, write, open, setrlimit, close_range, dup2, fcntl);
+        // `incoming` stays open in the parent until spawn returns because
+        // it is moved into this closure, the namespace descriptor is held by
+        // the caller's slot and the cgroup descriptors by its `VmJail`.
         unsafe {
             command.pre_exec(move || {
                 let _keep = &incoming;
                 if libc::setns(namespace, libc::CLONE_NEWNET) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                crate::jail::in_child(&cgroup_procs, INCOMING_FD + 1)?;
                 if let Some(raw) = incoming_raw {
                     if raw == INCOMING_FD {
                         let flags = libc::fcntl(raw, libc::F_GETFD);
@@ -318,6 +378,30 @@ impl LaunchSpec {
             .spawn()
             .io_context(|| format!("starting {}", self.qemu.display()))
     }
+}
+
+/// Saves the device state of a stopped VM into a new file at `path`. QEMU
+/// cannot open host paths once jailed, so the engine opens the file and
+/// hands it over (`add-fd`, `/dev/fdset/N`).
+pub(crate) async fn save_device_state(qmp: &shoal_qmp::Qmp, path: &Path) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .io_context(|| format!("creating {}", path.display()))?;
+    let fdset = qmp.add_fd(&file).await?;
+    let saved = qmp
+        .execute_value(
+            "xen-save-devices-state",
+            Some(serde_json::json!({"filename": format!("/dev/fdset/{fdset}"), "live": true})),
+        )
+        .await;
+    let removed = qmp.remove_fd(fdset).await;
+    saved?;
+    removed?;
+    Ok(())
 }
 
 pub fn is_qcow2(path: &Path) -> bool {
@@ -362,6 +446,12 @@ mod tests {
                     read_only: false,
                 },
             ],
+            confinement: Confinement {
+                uid: 1_900_000_007,
+                gid: 1_900_000_007,
+                root: "/run/shoal/jail".into(),
+                cgroup_procs: Vec::new(),
+            },
         }
     }
 
@@ -382,6 +472,8 @@ mod tests {
         assert!(args.contains("migration.announce-rounds=0"));
         assert!(!args.contains("-kernel"));
         assert!(args.contains("spawn=deny"));
+        assert!(args.contains("-chroot /run/shoal/jail -runas 1900000007:1900000007"));
+        assert!(args.contains("elevateprivileges=allow"));
         assert!(args.contains("-netdev tap,id=net0,ifname=tap0,script=no"));
         assert!(args.contains("virtio-net-device,netdev=net0,mac=02:53:48:00:00:02"));
     }

@@ -7,6 +7,7 @@
 
 use crate::accel::Accel;
 use crate::error::{EngineError, IoContext, Result};
+use crate::jail::{Jail, VmJail};
 use crate::manifest::{write_json_atomically, Manifest};
 use crate::net::NetSlot;
 use crate::qemu::{self, Boot, LaunchSpec};
@@ -14,8 +15,10 @@ use crate::volume::VolumeAttachment;
 use serde::{Deserialize, Serialize};
 use shoal_proto::client::AgentClient;
 use shoal_qmp::Qmp;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub const VM_FILE: &str = "vm.json";
@@ -69,10 +72,71 @@ pub(crate) struct Live {
     pub agent: AgentClient,
     /// The network namespace QEMU runs in; released with the process.
     pub net: NetSlot,
+    /// Its uid and cgroup; the cgroup goes when this is dropped, after the
+    /// process is reaped.
+    pub jail: VmJail,
+    /// Set before the engine itself stops the process, so the exit watcher
+    /// (see [`watch_exit`]) tells that from a death.
+    pub stopping: Arc<AtomicBool>,
+}
+
+impl Live {
+    /// Kills QEMU's process group and reaps it; the cgroup goes with `self`.
+    pub(crate) async fn terminate(mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        kill_process_group(self.pid);
+        let _ = self.child.wait().await;
+    }
+}
+
+/// Why a VM's QEMU ended without the engine asking: the kernel killed it
+/// for exceeding its cgroup's memory, or it died some other way.
+pub const OUT_OF_MEMORY: &str = "out of memory";
+
+/// Waits (on a pidfd, without reaping) for QEMU `pid` to end; if the engine
+/// did not stop it, calls `died` with the reason (out of memory when the
+/// VM's cgroup counted a kill).
+pub(crate) fn watch_exit(
+    pid: u32,
+    stopping: Arc<AtomicBool>,
+    oom: crate::cgroup::OomCounter,
+    died: impl FnOnce(String) + Send + 'static,
+) -> Result<()> {
+    // SAFETY: pidfd_open(2) of our own child, which is not reaped before
+    // `stopping` is set, so the pid cannot be reused under us.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error())
+            .io_context(|| format!("pidfd_open of QEMU {pid}"));
+    }
+    // SAFETY: a descriptor the kernel just gave us, owned from here on.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
+    // SAFETY: the OwnedFd stays open, and the same descriptor, for as long
+    // as the AsyncFd that owns it.
+    let pidfd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    }
+    .map_err(|e| std::io::Error::other(e.to_string()))
+    .io_context(|| "registering a pidfd".into())?;
+    tokio::spawn(async move {
+        let _ = pidfd.readable().await;
+        if stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let reason = if oom.kills() > 0 {
+            OUT_OF_MEMORY.to_string()
+        } else {
+            "its QEMU process ended unexpectedly".to_string()
+        };
+        died(reason);
+    });
+    Ok(())
 }
 
 pub struct Vm {
     pub id: String,
+    /// Why its QEMU died, once it has (see [`watch_exit`]).
+    pub(crate) failure: Mutex<Option<String>>,
     pub dir: PathBuf,
     pub(crate) inner: tokio::sync::Mutex<VmInner>,
     /// Mirrors `inner.state` for lock-free reads (listing, metering).
@@ -128,6 +192,7 @@ pub(crate) struct RestoreContext<'a> {
     pub empty_overlay: &'a Path,
     /// Behind the volume slots nothing is attached to.
     pub volume_placeholder: &'a Path,
+    pub jail: &'a Jail,
 }
 
 /// Starts QEMU on `source`, loads its device state, and gives the guest its
@@ -148,6 +213,9 @@ pub(crate) async fn restore(
     let disk_top = dir.join("disk.qcow2");
     std::fs::copy(ctx.empty_overlay, &disk_top)
         .io_context(|| format!("creating {}", disk_top.display()))?;
+    let jail = ctx
+        .jail
+        .for_vm(net.index, source.vcpus, source.memory_mib)?;
     let spec = LaunchSpec {
         qemu: ctx.qemu.to_path_buf(),
         accel: ctx.accel,
@@ -161,6 +229,7 @@ pub(crate) async fn restore(
         boot: Boot::Restore,
         net_namespace: net.ns_fd(),
         volume_slots: crate::volume::slots(volumes, ctx.volume_placeholder),
+        confinement: qemu::Confinement::of(&jail),
     };
     let devices = std::fs::File::open(&source.devices_file)
         .io_context(|| format!("opening {}", source.devices_file.display()))?;
@@ -179,10 +248,15 @@ pub(crate) async fn restore(
             qmp,
             agent,
             net,
+            jail,
+            stopping: Arc::new(AtomicBool::new(false)),
         }),
         Err(e) => {
             kill_process_group(pid);
             let _ = child.wait().await;
+            if jail.cgroup.oom_kills() > 0 {
+                return Err(EngineError::OutOfMemory(id.to_string()));
+            }
             Err(with_qemu_log(e, dir))
         }
     }

@@ -258,6 +258,31 @@ impl Qmp {
         .map(drop)
     }
 
+    /// Puts an open file descriptor into a new fd set and returns the set's
+    /// id: QEMU then opens `/dev/fdset/<id>` (with the descriptor's access
+    /// mode) where a command wants a path, which is how a QEMU that has
+    /// dropped privileges and `chroot`ed writes a file the engine chose.
+    pub async fn add_fd(&self, fd: &impl AsRawFd) -> Result<u64, QmpError> {
+        let value = self
+            .execute_inner("add-fd", None, Some(fd.as_raw_fd()))
+            .await?;
+        value
+            .get("fdset-id")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| QmpError::Command {
+                command: "add-fd".into(),
+                class: "UnexpectedReply".into(),
+                desc: format!("no fdset-id in {value}"),
+            })
+    }
+
+    /// Closes QEMU's copies of the descriptors in fd set `fdset_id`.
+    pub async fn remove_fd(&self, fdset_id: u64) -> Result<(), QmpError> {
+        self.execute_value("remove-fd", Some(json!({ "fdset-id": fdset_id })))
+            .await
+            .map(drop)
+    }
+
     /// Starts an outgoing migration to `uri`.
     pub async fn migrate(&self, uri: &str) -> Result<(), QmpError> {
         self.execute_value("migrate", Some(json!({ "uri": uri })))
