@@ -568,7 +568,7 @@ fn choose_layout(mounts: &[Mount], memberships: &[(Vec<String>, String)]) -> Res
 /// child (no internal processes), so the engine first moves itself into a
 /// leaf of its own (`<own>/engine`), as a delegated service must.
 fn v2_parent(own: &Path) -> Result<PathBuf> {
-    let is_root = own.join("cgroup.type").exists() == false;
+    let is_root = !own.join("cgroup.type").exists();
     if !is_root && !members(own).is_empty() {
         let leaf = own.join("engine");
         std::fs::create_dir_all(&leaf)
