@@ -88,9 +88,24 @@ impl Cgroups {
             .io_context(|| "reading /proc/self/mountinfo".into())?;
         let own = std::fs::read_to_string("/proc/self/cgroup")
             .io_context(|| "reading /proc/self/cgroup".into())?;
-        let mounts = parse_mounts(&mountinfo);
+        let mut mounts = parse_mounts(&mountinfo);
         let memberships = parse_memberships(&own);
-        let layout = choose_layout(&mounts, &memberships)?;
+        let layout = match choose_layout(&mounts, &memberships) {
+            Ok(layout) => layout,
+            Err(not_mounted) => {
+                // `ip netns exec` (and some minimal containers) give the
+                // engine a fresh /sys without the host's cgroup mounts: the
+                // hierarchies still exist, they are just not visible here.
+                let controllers = std::fs::read_to_string("/proc/cgroups").unwrap_or_default();
+                if !mount_own_hierarchies(&controllers, &mounts) {
+                    return Err(not_mounted);
+                }
+                let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+                    .io_context(|| "reading /proc/self/mountinfo".into())?;
+                mounts = parse_mounts(&mountinfo);
+                choose_layout(&mounts, &memberships)?
+            }
+        };
         if let Some(unified) = mounts.iter().find(|m| m.v2) {
             ensure_favordynmods(unified);
         }
@@ -584,6 +599,77 @@ fn v2_parent(own: &Path) -> Result<PathBuf> {
     Ok(own.join(PARENT))
 }
 
+/// Where the engine mounts hierarchies it cannot see (see [`Cgroups::open`]).
+const OWN_MOUNTS: &str = "/run/shoal/cgroup";
+
+/// Mounts the hierarchies that hold memory, pids, cpu and blkio under
+/// [`OWN_MOUNTS`], one per v1 hierarchy (with every controller bound to it,
+/// as the kernel requires: `/proc/cgroups` says which are bound together)
+/// or the unified one when no controller is on v1. Returns whether anything
+/// new was mounted.
+fn mount_own_hierarchies(proc_cgroups: &str, mounts: &[Mount]) -> bool {
+    let mut mounted = false;
+    for (name, fstype, options) in hierarchies_to_mount(proc_cgroups) {
+        let point = Path::new(OWN_MOUNTS).join(&name);
+        if mounts.iter().any(|m| m.point == point) || std::fs::create_dir_all(&point).is_err() {
+            continue;
+        }
+        let (Ok(target), Ok(fstype), Ok(data)) = (
+            std::ffi::CString::new(point.as_os_str().as_encoded_bytes()),
+            std::ffi::CString::new(fstype),
+            std::ffi::CString::new(options),
+        ) else {
+            continue;
+        };
+        // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                fstype.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                data.as_ptr().cast(),
+            )
+        };
+        if rc == 0 {
+            tracing::info!(mount = %point.display(), "mounted a cgroup hierarchy this mount namespace did not show");
+            mounted = true;
+        } else {
+            tracing::warn!(mount = %point.display(), error = %std::io::Error::last_os_error(), "could not mount a cgroup hierarchy");
+        }
+    }
+    mounted
+}
+
+/// (directory name, file system type, mount options) of each hierarchy
+/// to mount, from `/proc/cgroups` (`name hierarchy-id cgroups enabled`).
+fn hierarchies_to_mount(proc_cgroups: &str) -> Vec<(String, &'static str, String)> {
+    let mut by_hierarchy: std::collections::BTreeMap<u32, Vec<String>> = Default::default();
+    for line in proc_cgroups.lines().filter(|l| !l.starts_with('#')) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (Some(name), Some(Ok(id)), Some(&"1")) =
+            (fields.first(), fields.get(1).map(|f| f.parse::<u32>()), fields.get(3))
+        else {
+            continue;
+        };
+        by_hierarchy.entry(id).or_default().push((*name).to_string());
+    }
+    let wanted = ["memory", "pids", "cpu", "blkio"];
+    let v1: Vec<(String, &'static str, String)> = by_hierarchy
+        .iter()
+        .filter(|(id, names)| **id != 0 && names.iter().any(|n| wanted.contains(&n.as_str())))
+        .map(|(_, names)| (names.join(","), "cgroup", names.join(",")))
+        .collect();
+    let v1_has_all = ["memory", "pids", "cpu"]
+        .iter()
+        .all(|c| v1.iter().any(|(_, _, names)| names.split(',').any(|n| n == *c)));
+    if v1_has_all {
+        v1
+    } else {
+        vec![("unified".to_string(), "cgroup2", String::new())]
+    }
+}
+
 /// Remounts the cgroup2 hierarchy with `favordynmods` if it lacks it (see
 /// the module doc); a host that refuses keeps working, with slower attaches.
 fn ensure_favordynmods(unified: &Mount) {
@@ -625,6 +711,28 @@ mod tests {
 39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 ";
+
+    #[test]
+    fn hidden_hierarchies_are_mounted_as_the_kernel_binds_them() {
+        let hybrid = "#subsys_name\thierarchy\tnum_cgroups\tenabled\n\
+            cpuset\t3\t1\t1\ncpu\t1\t6\t1\ncpuacct\t1\t1\t1\nblkio\t7\t6\t1\n\
+            memory\t4\t27\t1\npids\t8\t6\t1\nhugetlb\t0\t1\t1\n";
+        let names: Vec<String> = hierarchies_to_mount(hybrid)
+            .into_iter()
+            .map(|(name, fstype, options)| {
+                assert_eq!(fstype, "cgroup");
+                assert_eq!(name, options);
+                name
+            })
+            .collect();
+        assert_eq!(names, ["cpu,cpuacct", "memory", "blkio", "pids"]);
+        let unified = "#subsys_name\thierarchy\tnum_cgroups\tenabled\n\
+            cpu\t0\t6\t1\nmemory\t0\t27\t1\npids\t0\t6\t1\n";
+        assert_eq!(
+            hierarchies_to_mount(unified),
+            [("unified".to_string(), "cgroup2", String::new())]
+        );
+    }
 
     #[test]
     fn v1_groups_nest_under_the_engines_own_group_per_controller() {
