@@ -120,8 +120,10 @@ fn can_open_as(pid: u32, root: &Path, path: &Path) -> bool {
     let root = CString::new(root.as_os_str().as_encoded_bytes()).unwrap();
     let path = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     let mut command = std::process::Command::new("/bin/true");
-    // The child reports through its exit status and never execs: after the
-    // chroot there is nothing to exec. Only raw system calls run after fork.
+    // SAFETY: the closure runs in the forked child and makes only raw
+    // system calls (no allocation, no locks) before `_exit`; it reports
+    // through its exit status and never execs: after the chroot there is
+    // nothing to exec.
     unsafe {
         command.pre_exec(move || {
             let code = if libc::chroot(root.as_ptr()) != 0
