@@ -51,6 +51,11 @@ pub(crate) struct EngineArgs {
     /// translation cache, page cache).
     #[arg(long, env = "SHOAL_VM_MEMORY_OVERHEAD_MIB", default_value_t = 256)]
     vm_memory_overhead_mib: u32,
+    /// One memory limit for every VM's cgroup instead of its guest RAM plus
+    /// the overhead (a host that wants a hard cap per VM; tests use a small
+    /// one to provoke an out-of-memory kill).
+    #[arg(long, env = "SHOAL_VM_MEMORY_LIMIT_MIB")]
+    vm_memory_limit_mib: Option<u32>,
 }
 
 impl EngineArgs {
@@ -66,6 +71,7 @@ impl EngineArgs {
         }
         config.jail.uid_base = self.vm_uid_base;
         config.jail.memory_overhead_mib = self.vm_memory_overhead_mib;
+        config.jail.memory_limit_mib = self.vm_memory_limit_mib;
         config
     }
 

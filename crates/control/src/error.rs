@@ -122,7 +122,9 @@ impl From<EngineError> for ApiError {
             EngineError::NoSuchSnapshot(_) => Self::not_found("snapshot not found"),
             EngineError::WrongState { state, .. } => Self::conflict(format!("sandbox is {state}")),
             EngineError::InvalidInput(message) => Self::bad_request(message),
-            e @ EngineError::HasVolumes(_) => Self::conflict(e.to_string()),
+            e @ (EngineError::HasVolumes(_)
+            | EngineError::OutOfMemory(_)
+            | EngineError::Failed { .. }) => Self::conflict(e.to_string()),
             EngineError::Agent(e) => e.into(),
             EngineError::Timeout(what) => {
                 Self::new(StatusCode::GATEWAY_TIMEOUT, format!("timeout {what}"))

@@ -140,7 +140,10 @@ pub async fn exec(
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
     let _activity = Activity::start(&cp, &id).await?;
-    let output = agent.exec_collect(request).await?;
+    let output = match agent.exec_collect(request).await {
+        Ok(output) => output,
+        Err(e) => return Err(cp.agent_failure(&id, e).await),
+    };
     if output.status.timed_out {
         return Err(ApiError::new(
             StatusCode::GATEWAY_TIMEOUT,

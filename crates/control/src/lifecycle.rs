@@ -1,5 +1,6 @@
 //! What the control plane does on its own: remembers activity, reaps idle
-//! and over-age sandboxes, and meters the ones it runs.
+//! and over-age sandboxes, meters the ones it runs, and records the ones
+//! whose VM died on its own (killed for memory) as `failed` with the reason.
 //!
 //! Activity is noted in memory on every request and written to the
 //! database every few seconds (a restart loses at most that much); an exec
@@ -7,7 +8,7 @@
 //! reaper never takes a sandbox in the middle of a command.
 
 use crate::{now, ApiResult, ControlPlane};
-use shoal_host::Usage;
+use shoal_host::{Usage, VmFailure};
 use shoal_store::{status, Account, SandboxPatch, SandboxRow, UsageSample};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -182,7 +183,110 @@ pub async fn reconcile(cp: &ControlPlane) -> ApiResult<()> {
     Ok(())
 }
 
+impl ControlPlane {
+    /// Marks the sandbox of a VM that died on its own `failed` with the
+    /// reason, then frees what its VM still holds (network slot, files).
+    pub(crate) async fn record_failure(&self, failure: &VmFailure) {
+        let id = failure.id.as_str();
+        tracing::warn!(id, reason = failure.reason, "sandbox failed");
+        match self.store.sandbox_by_id(id).await {
+            Ok(Some(row)) if row.is_live() && self.is_ours(&row) => {
+                let patch = SandboxPatch {
+                    status: Some(status::FAILED.into()),
+                    status_reason: Some(failure.reason.clone()),
+                    deleted_at: Some(now()),
+                    ..SandboxPatch::default()
+                };
+                if let Err(e) = self.store.update_sandbox(id, patch).await {
+                    tracing::error!(id, error = %e, "recording a failed sandbox");
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!(id, error = %e, "reading a failed sandbox");
+                return;
+            }
+        }
+        if let Err(e) = self.host.kill(id).await {
+            tracing::warn!(id, error = %e, "freeing a failed sandbox");
+        }
+    }
+
+    /// The answer for a guest call that broke: a 409 saying why when the
+    /// VM died under it (killed for memory), else the agent's error.
+    pub(crate) async fn agent_failure(
+        &self,
+        id: &str,
+        e: shoal_proto::client::AgentError,
+    ) -> crate::error::ApiError {
+        if matches!(e, shoal_proto::client::AgentError::Guest { .. }) {
+            return e.into();
+        }
+        match self.failure_of(id, Duration::from_secs(2)).await {
+            Some(reason) => {
+                crate::error::ApiError::conflict(format!("sandbox {id} has failed: {reason}"))
+            }
+            None => e.into(),
+        }
+    }
+
+    /// Why the VM of sandbox `id` died on its own, if it did: asked of the
+    /// engine while it still has the VM, else of the row the failure
+    /// watcher wrote. A QEMU's exit reaches the engine a moment after its
+    /// connections break, so this waits up to `patience` for it.
+    pub(crate) async fn failure_of(&self, id: &str, patience: Duration) -> Option<String> {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            match self.host.engine().get(id).await {
+                Ok(info) if info.failure.is_some() => return info.failure,
+                Ok(_) => {}
+                Err(_) => {
+                    return self
+                        .store
+                        .sandbox_by_id(id)
+                        .await
+                        .ok()
+                        .flatten()
+                        .and_then(|row| row.status_reason)
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Follows the engine's failures for as long as the control plane runs.
+fn watch_failures(cp: Arc<ControlPlane>) {
+    let mut failures = cp.host.engine().failures();
+    tokio::spawn(async move {
+        use tokio::sync::broadcast::error::RecvError;
+        loop {
+            match failures.recv().await {
+                Ok(failure) => cp.record_failure(&failure).await,
+                Err(RecvError::Lagged(_)) => {
+                    // Missed some: the engine still knows every failed VM.
+                    for info in cp.host.engine().list().await {
+                        if let Some(reason) = info.failure {
+                            let failure = VmFailure {
+                                id: info.id,
+                                reason,
+                            };
+                            cp.record_failure(&failure).await;
+                        }
+                    }
+                }
+                Err(RecvError::Closed) => return,
+            }
+        }
+    });
+}
+
 pub fn spawn(cp: Arc<ControlPlane>) {
+    watch_failures(cp.clone());
     let config = cp.config.lifecycle.clone();
     let reaper = cp.clone();
     tokio::spawn(async move {

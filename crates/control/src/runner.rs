@@ -489,7 +489,12 @@ enum Ran {
     SandboxLost(String),
     /// The command could not be started.
     Failed(String),
+    /// The sandbox's VM was killed for memory.
+    OutOfMemory,
 }
+
+/// How long a broken channel waits to learn whether its VM died for memory.
+const FAILURE_PATIENCE: Duration = Duration::from_secs(3);
 
 async fn run_attempt(
     cp: &Arc<ControlPlane>,
@@ -619,6 +624,15 @@ async fn run_attempt(
         }
     };
     drop(turn.take());
+    // A VM the kernel killed for memory ends its task for good, as Slurm's
+    // OUT_OF_MEMORY does: no retry on another sandbox.
+    let ran = match ran {
+        Ran::SandboxLost(why) => match cp.failure_of(&sandbox, FAILURE_PATIENCE).await {
+            Some(reason) if reason == shoal_host::OUT_OF_MEMORY => Ran::OutOfMemory,
+            _ => Ran::SandboxLost(why),
+        },
+        other => other,
+    };
     if let Some(at) = run_started {
         timings.run = ms(at);
         set_priority(cp, &sandbox, CpuPriority::Normal);
@@ -710,6 +724,7 @@ async fn run_attempt(
             outcome.error = Some(format!("sandbox lost {losses} times: {why}"));
         }
         Ran::Failed(why) => outcome.error = Some(why),
+        Ran::OutOfMemory => outcome.error = Some(shoal_host::OUT_OF_MEMORY.to_owned()),
     }
     if outcome.error.is_none() {
         outcome.error = collect_note;

@@ -31,6 +31,7 @@ pub fn sandbox_json(row: &SandboxRow) -> Value {
         "cpu": row.cpu,
         "memory_mb": row.memory_mb,
         "status": row.status,
+        "status_reason": row.status_reason,
         "guest_ip": row.guest_ip,
         "created_at": rfc3339(row.created_at),
         "metadata": row.metadata,
@@ -45,9 +46,27 @@ pub fn sandbox_json(row: &SandboxRow) -> Value {
 
 impl ControlPlane {
     /// The caller's live sandbox `id`, or 404; counts as activity on it.
+    /// A `failed` one is a 409 that says why.
     pub(crate) async fn owned(&self, account: &Account, id: &str) -> ApiResult<SandboxRow> {
+        let row = self.owned_or_failed(account, id).await?;
+        if row.status == status::FAILED {
+            return Err(ApiError::conflict(failed_message(&row)));
+        }
+        Ok(row)
+    }
+
+    /// The caller's sandbox, live or `failed` (what a GET shows and a
+    /// DELETE clears), or 404.
+    pub(crate) async fn owned_or_failed(
+        &self,
+        account: &Account,
+        id: &str,
+    ) -> ApiResult<SandboxRow> {
         match self.store.get_sandbox(account.id, id).await? {
-            Some(row) if row.is_live() && row.status != status::CREATING => {
+            Some(row)
+                if (row.is_live() || row.status == status::FAILED)
+                    && row.status != status::CREATING =>
+            {
                 self.touch(id);
                 Ok(row)
             }
@@ -311,7 +330,17 @@ pub async fn get(
     Caller(account): Caller,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    Ok(Json(sandbox_json(&cp.owned(&account, &id).await?)))
+    Ok(Json(sandbox_json(
+        &cp.owned_or_failed(&account, &id).await?,
+    )))
+}
+
+fn failed_message(row: &SandboxRow) -> String {
+    format!(
+        "sandbox {} has failed: {}",
+        row.id,
+        row.status_reason.as_deref().unwrap_or("its VM ended")
+    )
 }
 
 pub async fn delete(
@@ -327,7 +356,19 @@ async fn delete_detached(
     account: Account,
     id: String,
 ) -> ApiResult<StatusCode> {
-    cp.owned(&account, &id).await?;
+    let row = cp.owned_or_failed(&account, &id).await?;
+    if row.status == status::FAILED {
+        // Its VM is gone or going (the failure watcher kills it); the row
+        // keeps `failed` and its reason, only leaving the GET.
+        cp.host.kill(&id).await?;
+        let patch = SandboxPatch {
+            status: Some(status::DELETED.into()),
+            if_status: Some(status::FAILED.into()),
+            ..SandboxPatch::default()
+        };
+        cp.store.update_sandbox(&id, patch).await?;
+        return Ok(StatusCode::NO_CONTENT);
+    }
     cp.destroy(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -15,7 +15,7 @@ use crate::volume::VolumeAttachment;
 use serde::{Deserialize, Serialize};
 use shoal_proto::client::AgentClient;
 use shoal_qmp::Qmp;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -95,7 +95,9 @@ pub const OUT_OF_MEMORY: &str = "out of memory";
 
 /// Waits (on a pidfd, without reaping) for QEMU `pid` to end; if the engine
 /// did not stop it, calls `died` with the reason (out of memory when the
-/// VM's cgroup counted a kill).
+/// VM's cgroup counted a kill). Meanwhile reads the group's memory pressure
+/// once a second and kills a QEMU that thrashes at its limit
+/// ([`crate::cgroup::ThrashWatch`]), which the kernel would not.
 pub(crate) fn watch_exit(
     pid: u32,
     stopping: Arc<AtomicBool>,
@@ -119,7 +121,31 @@ pub(crate) fn watch_exit(
     .map_err(|e| std::io::Error::other(e.to_string()))
     .io_context(|| "registering a pidfd".into())?;
     tokio::spawn(async move {
-        let _ = pidfd.readable().await;
+        let mut thrash = crate::cgroup::ThrashWatch::default();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = pidfd.readable() => break,
+                _ = tick.tick() => {
+                    let Some(reading) = oom.pressure() else { continue };
+                    if thrash.observe(reading) && !stopping.load(Ordering::SeqCst) {
+                        tracing::warn!(pid, ?reading, "QEMU thrashes at its memory limit: killed");
+                        oom.count_thrash_kill();
+                        // SAFETY: pidfd_send_signal(2) on the pidfd held
+                        // above: it names this QEMU, never a reused pid.
+                        unsafe {
+                            libc::syscall(
+                                libc::SYS_pidfd_send_signal,
+                                pidfd.get_ref().as_raw_fd(),
+                                libc::SIGKILL,
+                                std::ptr::null::<libc::siginfo_t>(),
+                                0,
+                            );
+                        }
+                    }
+                }
+            }
+        }
         if stopping.load(Ordering::SeqCst) {
             return;
         }

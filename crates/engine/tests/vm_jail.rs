@@ -44,7 +44,12 @@ impl Sandbox {
     }
 
     async fn pid(&self) -> u32 {
-        engine().get(&self.id).await.unwrap().pid.expect("a live QEMU")
+        engine()
+            .get(&self.id)
+            .await
+            .unwrap()
+            .pid
+            .expect("a live QEMU")
     }
 }
 
@@ -168,7 +173,11 @@ fn every_qemu_runs_jailed_in_a_cgroup_of_its_own() {
             assert_eq!(status_field(pid, "CapEff"), ["0000000000000000"]);
             assert_eq!(status_field(pid, "CapPrm"), ["0000000000000000"]);
             assert_eq!(status_field(pid, "NoNewPrivs"), ["1"]);
-            assert_eq!(status_field(pid, "Seccomp"), ["2"], "QEMU {pid} not filtered");
+            assert_eq!(
+                status_field(pid, "Seccomp"),
+                ["2"],
+                "QEMU {pid} not filtered"
+            );
             uids.push(uid[0].clone());
 
             let root = std::fs::read_link(format!("/proc/{pid}/root")).unwrap();
@@ -176,7 +185,10 @@ fn every_qemu_runs_jailed_in_a_cgroup_of_its_own() {
             let seen: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/root"))
                 .unwrap()
                 .collect();
-            assert!(seen.is_empty(), "QEMU {pid} sees files in its root: {seen:?}");
+            assert!(
+                seen.is_empty(),
+                "QEMU {pid} sees files in its root: {seen:?}"
+            );
 
             let (dir, memory_limit, pids_limit) = cgroup_files(pid);
             assert!(
@@ -263,10 +275,12 @@ fn a_guest_that_exceeds_its_memory_is_killed_alone() {
         .await
         .expect("no failure reported");
         assert_eq!(failure.reason, shoal_engine::vm::OUT_OF_MEMORY);
-        assert!(!Path::new(&format!("/proc/{greedy_pid}")).exists() || {
-            // A zombie until the engine reaps it is fine; it must not run.
-            status_field(greedy_pid, "State")[0] == "Z"
-        });
+        assert!(
+            !Path::new(&format!("/proc/{greedy_pid}")).exists() || {
+                // A zombie until the engine reaps it is fine; it must not run.
+                status_field(greedy_pid, "State")[0] == "Z"
+            }
+        );
 
         let info = engine().get(&greedy.id).await.unwrap();
         assert_eq!(info.failure.as_deref(), Some("out of memory"), "{info:?}");
@@ -280,6 +294,9 @@ fn a_guest_that_exceeds_its_memory_is_killed_alone() {
         let info = engine().get(&neighbour.id).await.unwrap();
         assert_eq!((info.state, info.failure), (VmState::Running, None));
 
-        engine().kill(&greedy.id).await.expect("delete of a failed sandbox");
+        engine()
+            .kill(&greedy.id)
+            .await
+            .expect("delete of a failed sandbox");
     });
 }

@@ -15,10 +15,11 @@ mod volumes;
 pub use capacity::{Capacity, Reservation};
 pub use shoal_engine::net::GUEST_IP;
 pub use shoal_engine::qemu::VOLUME_SLOTS;
+pub use shoal_engine::vm::OUT_OF_MEMORY;
 pub use shoal_engine::volume::valid_name as valid_volume_name;
 pub use shoal_engine::{
     CpuPriority, CreateOptions, Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage,
-    VmState, VolumeAttachment,
+    VmFailure, VmState, VolumeAttachment,
 };
 pub use shoal_repl::{CellOutput, ReplError};
 

@@ -54,6 +54,11 @@ const SQLITE: &[Embedded] = &[
         "apps",
         include_str!("../migrations/sqlite/0006_apps.sql"),
     ),
+    (
+        7,
+        "status reason",
+        include_str!("../migrations/sqlite/0007_status_reason.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -86,6 +91,11 @@ const POSTGRES: &[Embedded] = &[
         6,
         "apps",
         include_str!("../migrations/postgres/0006_apps.sql"),
+    ),
+    (
+        7,
+        "status reason",
+        include_str!("../migrations/postgres/0007_status_reason.sql"),
     ),
 ];
 

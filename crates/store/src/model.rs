@@ -228,6 +228,8 @@ pub struct SandboxRow {
     pub boot_ms: Option<f64>,
     pub boot_mode: Option<String>,
     pub deleted_at: Option<f64>,
+    /// Why it is `failed` ("out of memory", ...), when it is.
+    pub status_reason: Option<String>,
 }
 
 impl SandboxRow {
@@ -249,6 +251,7 @@ pub struct SandboxPatch {
     pub persistent: Option<bool>,
     pub max_lifetime_seconds: Option<u64>,
     pub deleted_at: Option<f64>,
+    pub status_reason: Option<String>,
     /// Apply only while the sandbox has this status (e.g. do not mark a
     /// sandbox `running` that a delete has already marked `deleted`).
     pub if_status: Option<String>,

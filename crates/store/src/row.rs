@@ -56,7 +56,7 @@ macro_rules! sandbox_columns {
     () => {
         "id, account_id, template, cpu, memory_mb, metadata, ttl_seconds, persistent, \
          max_lifetime_seconds, from_snapshot, parent_id, tree_id, status, host, guest_ip, \
-         created_at, last_activity_at, running_execs, boot_ms, boot_mode, deleted_at"
+         created_at, last_activity_at, running_execs, boot_ms, boot_mode, deleted_at, status_reason"
     };
 }
 pub(crate) use sandbox_columns;
@@ -87,6 +87,7 @@ pub(crate) fn sandbox(row: &impl Column) -> Result<SandboxRow> {
         boot_ms: row.opt_real("boot_ms")?,
         boot_mode: row.opt_text("boot_mode")?,
         deleted_at: row.opt_real("deleted_at")?,
+        status_reason: row.opt_text("status_reason")?,
     })
 }
 

@@ -43,7 +43,8 @@ const UPDATE: &str = "UPDATE sandboxes SET \
      ttl_seconds = COALESCE($7, ttl_seconds), \
      persistent = COALESCE($8, persistent), \
      max_lifetime_seconds = COALESCE($9, max_lifetime_seconds), \
-     deleted_at = COALESCE($10, deleted_at) \
+     deleted_at = COALESCE($10, deleted_at), \
+     status_reason = COALESCE($12, status_reason) \
      WHERE id = $1 AND ($11 IS NULL OR status = $11)";
 
 /// `last_activity_at` only moves forward.
@@ -266,6 +267,7 @@ impl Store {
             boot_ms: None,
             boot_mode: None,
             deleted_at: None,
+            status_reason: None,
         })
     }
 
@@ -285,6 +287,7 @@ impl Store {
                 .bind(patch.max_lifetime_seconds.map(signed))
                 .bind(patch.deleted_at)
                 .bind(&patch.if_status)
+                .bind(&patch.status_reason)
                 .execute(pool)
                 .await?
                 .rows_affected()

@@ -588,6 +588,20 @@ async fn update_patches_fields_and_respects_if_status(db: Arc<Db>) {
     assert_eq!(row.max_lifetime_seconds, Some(9000));
     assert_eq!((row.cpu, row.memory_mb), (2, 512));
     assert!(row.is_live() && row.deleted_at.is_none());
+    assert_eq!(row.status_reason, None);
+
+    let failed = SandboxPatch {
+        status: Some(status::FAILED.to_owned()),
+        status_reason: Some("out of memory".into()),
+        if_status: Some(status::RUNNING.to_owned()),
+        ..Default::default()
+    };
+    assert!(store.update_sandbox("patched", failed).await.unwrap());
+    let row = store.get_sandbox(a.id, "patched").await.unwrap().unwrap();
+    assert_eq!(
+        (row.status.as_str(), row.status_reason.as_deref()),
+        ("failed", Some("out of memory"))
+    );
 
     let delete = SandboxPatch {
         status: Some(status::DELETED.to_owned()),
@@ -598,6 +612,8 @@ async fn update_patches_fields_and_respects_if_status(db: Arc<Db>) {
     let row = store.get_sandbox(a.id, "patched").await.unwrap().unwrap();
     assert!(!row.is_live());
     assert_eq!(row.deleted_at, Some(T0 + 5.0));
+    // A later patch without a reason keeps the one recorded.
+    assert_eq!(row.status_reason.as_deref(), Some("out of memory"));
     assert!(store.list_sandboxes(a.id).await.unwrap().is_empty());
 }
 

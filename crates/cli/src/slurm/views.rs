@@ -33,6 +33,9 @@ fn job_state(cell: &Value) -> JobState {
         "succeeded" => JobState::Completed,
         "timeout" => JobState::Timeout,
         "cancelled" => JobState::Cancelled,
+        // The runner's error for a VM killed for memory (the engine's
+        // `OUT_OF_MEMORY`).
+        "failed" if cell["error"] == "out of memory" => JobState::OutOfMemory,
         _ => JobState::Failed,
     }
 }
@@ -280,4 +283,23 @@ pub async fn scancel(api: &Api, targets: &[String]) -> Result<()> {
         bail!("some jobs were not cancelled");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn cells_take_slurms_state_names() {
+        let state = |state: &str, error: Value| job_state(&json!({"state": state, "error": error}));
+        assert_eq!(state("succeeded", Value::Null), JobState::Completed);
+        assert_eq!(state("failed", json!("exit 1")), JobState::Failed);
+        assert_eq!(
+            state("failed", json!("out of memory")),
+            JobState::OutOfMemory
+        );
+        assert_eq!(state("timeout", Value::Null), JobState::Timeout);
+        assert_eq!(state("pending", Value::Null), JobState::Pending);
+    }
 }

@@ -1,0 +1,203 @@
+//! A VM killed for memory, as the API and the Slurm bridge tell it: a real
+//! `shoal up` whose VMs each get a 256 MiB cgroup (`--vm-memory-limit-mib`),
+//! a guest that fills its tmpfs far past that, and then: the sandbox is
+//! `failed` with `status_reason: "out of memory"`, every call but delete is
+//! a 409 saying so, its neighbour answers, a delete clears it; and a Slurm
+//! array task that does the same shows `OUT_OF_MEMORY` in `sacct` while its
+//! sibling is `COMPLETED`. `shoal up` runs in its own process group and is
+//! stopped by its id.
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use shoal_testkit::block_on;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const FILL: &str = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=1500";
+
+struct Api {
+    base: String,
+    token: String,
+    http: reqwest::Client,
+}
+
+impl Api {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .timeout(Duration::from_secs(180));
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        match request.send().await {
+            Ok(response) => {
+                let status = response.status();
+                let text = response.text().await.unwrap_or_default();
+                (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+            }
+            // The exec whose VM died may lose its connection.
+            Err(e) => (StatusCode::BAD_GATEWAY, json!({ "error": e.to_string() })),
+        }
+    }
+
+    async fn create(&self) -> String {
+        let (status, body) = self
+            .call(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "base"})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        body["id"].as_str().unwrap().to_owned()
+    }
+
+    async fn exec(&self, id: &str, cmd: &str) -> (StatusCode, Value) {
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({ "cmd": cmd, "timeout_seconds": 120 })),
+        )
+        .await
+    }
+}
+
+#[test]
+fn a_vm_killed_for_memory_is_failed_with_the_reason() {
+    block_on(async {
+        let state = shoal_testkit::state_dir("vm_out_of_memory");
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(&state).unwrap();
+        let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+            .args(["--vm-memory-limit-mib", "256"])
+            .start()
+            .await;
+        let api = Api {
+            base: up.base().to_owned(),
+            token: up.token("oom"),
+            http: reqwest::Client::new(),
+        };
+
+        let greedy = api.create().await;
+        let neighbour = api.create().await;
+        let (status, body) = api.exec(&greedy, FILL).await;
+        assert_eq!(status, StatusCode::CONFLICT, "the fill: {body}");
+        assert_eq!(
+            body["error"].as_str().unwrap(),
+            format!("sandbox {greedy} has failed: out of memory")
+        );
+
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let row = loop {
+            let (status, row) = api
+                .call(
+                    reqwest::Method::GET,
+                    &format!("/v1/sandboxes/{greedy}"),
+                    None,
+                )
+                .await;
+            assert_eq!(status, StatusCode::OK, "{row}");
+            if row["status"] == "failed" {
+                break row;
+            }
+            assert!(Instant::now() < deadline, "never failed: {row}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(row["status_reason"], "out of memory", "{row}");
+
+        let (status, body) = api.exec(&greedy, "true").await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        let message = body["error"].as_str().unwrap();
+        assert!(message.contains("out of memory"), "{message}");
+
+        let (status, body) = api.exec(&neighbour, "echo alive").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["stdout"].as_str().unwrap().trim(), "alive");
+
+        let (status, _) = api
+            .call(
+                reqwest::Method::DELETE,
+                &format!("/v1/sandboxes/{greedy}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        let (status, _) = api
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/sandboxes/{greedy}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+
+        // The same through the Slurm bridge: task 1 fills memory, task 2 not.
+        let submit = state.join("submit");
+        std::fs::create_dir_all(&submit).unwrap();
+        std::fs::write(
+            submit.join("oom.sh"),
+            format!(
+                "#!/bin/bash\n#SBATCH --job-name=oom\n#SBATCH --array=1-2\n\
+                 if [ \"$SLURM_ARRAY_TASK_ID\" = 1 ]; then {FILL}; fi\necho done $SLURM_ARRAY_TASK_ID\n"
+            ),
+        )
+        .unwrap();
+        let shoal = |args: &[&str]| {
+            let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+                .args(args)
+                .current_dir(&submit)
+                .env("SHOAL_API", up.base())
+                .env("SHOAL_API_KEY", &api.token)
+                .env("USER", "ada")
+                .env("SHOAL_SLURM_CONFIG", submit.join("no-config.json"))
+                .env_remove("SHOAL_PARTITIONS")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "shoal {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let submitted = shoal(&["sbatch", "oom.sh"]);
+        let job = submitted
+            .trim()
+            .strip_prefix("Submitted batch job ")
+            .unwrap_or_else(|| panic!("{submitted}"))
+            .to_owned();
+        let deadline = Instant::now() + Duration::from_secs(240);
+        let states = loop {
+            let table = shoal(&["sacct", "-j", &job, "-P", "-n", "--format=JobID,State"]);
+            let states: Vec<(String, String)> = table
+                .lines()
+                .filter_map(|l| l.split_once('|'))
+                .map(|(id, state)| (id.to_owned(), state.to_owned()))
+                .collect();
+            let finished =
+                states.len() == 2 && states.iter().all(|(_, s)| s != "PENDING" && s != "RUNNING");
+            if finished {
+                break states;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {job} never finished: {table}"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        assert_eq!(
+            states,
+            [
+                (format!("{job}_1"), "OUT_OF_MEMORY".to_owned()),
+                (format!("{job}_2"), "COMPLETED".to_owned())
+            ]
+        );
+    });
+}
