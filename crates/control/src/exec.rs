@@ -107,6 +107,9 @@ impl Drop for Activity {
     }
 }
 
+/// How long past a command's timeout the host waits for the guest's answer.
+const GUEST_TIMEOUT_MARGIN: std::time::Duration = std::time::Duration::from_secs(10);
+
 fn exit_code(status: &ExitStatus) -> i32 {
     status
         .code
@@ -140,7 +143,19 @@ pub async fn exec(
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
     let _activity = Activity::start(&cp, &id).await?;
-    let output = match agent.exec_collect(request).await {
+    // The guest agent promises the timeout; the host does not rely on it.
+    let host_deadline = request.timeout.map(|t| t + GUEST_TIMEOUT_MARGIN);
+    let call = agent.exec_collect(request);
+    let collected = match host_deadline {
+        Some(deadline) => tokio::time::timeout(deadline, call).await.map_err(|_| {
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!("{} (the guest did not answer)", timeout_message(timeout)),
+            )
+        })?,
+        None => call.await,
+    };
+    let output = match collected {
         Ok(output) => output,
         Err(e) => return Err(cp.agent_failure(&id, e).await),
     };

@@ -132,6 +132,10 @@ impl EngineConfig {
     }
 }
 
+/// How long a delete waits for a VM's guest call to end (see
+/// [`Engine::kill`]).
+const KILL_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// What the engine tells about one sandbox.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SandboxInfo {
@@ -269,6 +273,7 @@ impl Engine {
             _lock: lock,
         };
         for record in hibernated {
+            let now = vm::VmNow::new(VmState::Hibernated, &record.source);
             let vm = Arc::new(Vm {
                 id: record.id.clone(),
                 dir: engine.vm_dir(&record.id),
@@ -277,7 +282,7 @@ impl Engine {
                     source: record.source,
                     live: None,
                 }),
-                state_now: Mutex::new((VmState::Hibernated, None)),
+                now,
                 failure: Mutex::new(None),
                 created_unix_ms: record.created_unix_ms,
                 restore_ms: Mutex::new(0.0),
@@ -425,7 +430,7 @@ impl Engine {
                 source: source.clone(),
                 live: None,
             }),
-            state_now: Mutex::new((VmState::Running, None)),
+            now: vm::VmNow::new(VmState::Running, &source),
             failure: Mutex::new(None),
             created_unix_ms: manifest::now_unix_ms(),
             restore_ms: Mutex::new(0.0),
@@ -445,7 +450,7 @@ impl Engine {
         match self.bring_up(&vm, &source).await {
             Ok(()) => {
                 *vm.restore_ms.lock().unwrap() = started.elapsed().as_secs_f64() * 1000.0;
-                Ok(self.info_of(&vm).await)
+                Ok(self.info_of(&vm))
             }
             Err(e) => {
                 self.vms.lock().unwrap().remove(&id);
@@ -570,20 +575,22 @@ impl Engine {
         Ok(path)
     }
 
-    async fn info_of(&self, vm: &Vm) -> SandboxInfo {
-        let inner = vm.inner.lock().await;
+    /// Takes no async lock: a VM whose guest call holds `inner` does not
+    /// delay a listing (see [`Vm::now`]).
+    fn info_of(&self, vm: &Vm) -> SandboxInfo {
+        let now = vm.now.lock().unwrap().clone();
         SandboxInfo {
             id: vm.id.clone(),
-            template: inner.source.template.clone(),
-            vcpus: inner.source.vcpus,
-            memory_mib: inner.source.memory_mib,
-            state: inner.state,
-            pid: inner.live.as_ref().map(|l| l.pid),
+            template: now.template,
+            vcpus: now.vcpus,
+            memory_mib: now.memory_mib,
+            state: now.state,
+            pid: now.pid,
             created_unix_ms: vm.created_unix_ms,
             restore_ms: *vm.restore_ms.lock().unwrap(),
             guest_ip: net::GUEST_IP.to_string(),
             allow_internet: vm.allow_internet,
-            host_veth: inner.live.as_ref().map(|l| l.net.host_veth()),
+            host_veth: now.host_veth,
             volumes: vm.volumes.iter().map(|v| v.name.clone()).collect(),
             failure: vm.failure.lock().unwrap().clone(),
         }
@@ -597,14 +604,14 @@ impl Engine {
 
     pub async fn get(&self, id: &str) -> Result<SandboxInfo> {
         let vm = self.vm(id)?;
-        Ok(self.info_of(&vm).await)
+        Ok(self.info_of(&vm))
     }
 
     pub async fn list(&self) -> Vec<SandboxInfo> {
         let vms: Vec<Arc<Vm>> = self.vms.lock().unwrap().values().cloned().collect();
         let mut out = Vec::with_capacity(vms.len());
         for vm in vms {
-            out.push(self.info_of(&vm).await);
+            out.push(self.info_of(&vm));
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
@@ -835,7 +842,7 @@ impl Engine {
             vm.set_state(&mut inner, VmState::Running);
             vm.store_record(&inner)?;
         }
-        Ok(self.info_of(&vm).await)
+        Ok(self.info_of(&vm))
     }
 
     /// Kills a sandbox: its process, and every file, socket and disk layer
@@ -848,7 +855,7 @@ impl Engine {
             .remove(id)
             .ok_or_else(|| EngineError::NoSuchSandbox(id.to_string()))?;
         let held_captures = {
-            let mut inner = vm.inner.lock().await;
+            let mut inner = self.lock_to_kill(&vm).await;
             if let Some(live) = &inner.live {
                 if !vm.volumes.is_empty() {
                     // A paused guest cannot unmount: let it run for that.
@@ -877,6 +884,29 @@ impl Engine {
             self.collect_captures().await;
         }
         Ok(())
+    }
+
+    /// `vm`'s state for a kill. A call into its guest (freezing volumes for
+    /// a hibernation, say) may hold it up to that call's deadline; a delete
+    /// waits [`KILL_PATIENCE`], then ends the QEMU, which ends the call.
+    async fn lock_to_kill<'a>(&self, vm: &'a Vm) -> tokio::sync::MutexGuard<'a, VmInner> {
+        if let Ok(inner) = tokio::time::timeout(KILL_PATIENCE, vm.inner.lock()).await {
+            return inner;
+        }
+        if let Some(pid) = vm.pid() {
+            tracing::warn!(
+                id = vm.id,
+                pid,
+                "a guest call holds the sandbox: killing its QEMU"
+            );
+            // The QEMU is our unreaped child while `inner.live` holds it,
+            // and only the holder of `inner` reaps it.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        vm.inner.lock().await
     }
 
     /// Kills every sandbox (used at shutdown and by tests).

@@ -25,6 +25,9 @@ pub const VM_FILE: &str = "vm.json";
 
 /// How long a restored guest may take to answer its agent.
 const RESTORE_DEADLINE: Duration = Duration::from_secs(20);
+/// An agent that answered its connection answers its identity at once; a
+/// patched one that does not costs only its own create.
+const IDENTITY_DEADLINE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -165,8 +168,10 @@ pub struct Vm {
     pub(crate) failure: Mutex<Option<String>>,
     pub dir: PathBuf,
     pub(crate) inner: tokio::sync::Mutex<VmInner>,
-    /// Mirrors `inner.state` for lock-free reads (listing, metering).
-    pub(crate) state_now: Mutex<(VmState, Option<u32>)>,
+    /// Mirrors what `inner` says of it for lock-free reads: listing,
+    /// admission, heartbeats and metering never wait behind a call into
+    /// this VM's guest (which may hold `inner` up to its deadline).
+    pub(crate) now: Mutex<VmNow>,
     pub created_unix_ms: u64,
     pub restore_ms: Mutex<f64>,
     pub allow_internet: bool,
@@ -179,19 +184,50 @@ pub(crate) struct VmInner {
     pub live: Option<Live>,
 }
 
+/// [`Vm::now`]: what a listing shows of a VM.
+#[derive(Debug, Clone)]
+pub(crate) struct VmNow {
+    pub state: VmState,
+    pub pid: Option<u32>,
+    pub template: String,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    pub host_veth: Option<String>,
+}
+
+impl VmNow {
+    pub(crate) fn new(state: VmState, source: &Manifest) -> Mutex<VmNow> {
+        Mutex::new(VmNow {
+            state,
+            pid: None,
+            template: source.template.clone(),
+            vcpus: source.vcpus,
+            memory_mib: source.memory_mib,
+            host_veth: None,
+        })
+    }
+}
+
 impl Vm {
     pub fn state(&self) -> VmState {
-        self.state_now.lock().unwrap().0
+        self.now.lock().unwrap().state
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.state_now.lock().unwrap().1
+        self.now.lock().unwrap().pid
     }
 
+    /// Sets the state and refreshes [`Vm::now`] from `inner`.
     pub(crate) fn set_state(&self, inner: &mut VmInner, state: VmState) {
         inner.state = state;
-        let pid = inner.live.as_ref().map(|l| l.pid);
-        *self.state_now.lock().unwrap() = (state, pid);
+        *self.now.lock().unwrap() = VmNow {
+            state,
+            pid: inner.live.as_ref().map(|l| l.pid),
+            template: inner.source.template.clone(),
+            vcpus: inner.source.vcpus,
+            memory_mib: inner.source.memory_mib,
+            host_veth: inner.live.as_ref().map(|l| l.net.host_veth()),
+        };
     }
 
     pub(crate) fn record(&self, inner: &VmInner) -> VmRecord {
@@ -337,7 +373,9 @@ async fn connect_restored(
         ms = started.elapsed().as_secs_f64() * 1e3,
         "agent answered"
     );
-    give_identity(&agent, id).await?;
+    tokio::time::timeout(IDENTITY_DEADLINE, give_identity(&agent, id))
+        .await
+        .map_err(|_| EngineError::Timeout("giving the guest its identity".into()))??;
     // QEMU's CPU time against the wall time tells a start slowed by waiting
     // for a core from one that had more to do.
     tracing::debug!(

@@ -27,8 +27,18 @@ pub const GUEST_MOUNT_ROOT: &str = "/mnt/volumes";
 /// Size of the placeholder behind unused slots (and every slot at bake).
 const PLACEHOLDER_BYTES: u64 = 1 << 20;
 
-/// How long the guest may take to rebind and mount, or to unmount.
+/// How long the guest may take to rebind and mount, freeze or thaw.
 const GUEST_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long a delete waits for the guest to unmount: a guest that does not
+/// answer leaves its images as a power cut would (ext4's journal replays
+/// at the next mount), and the delete goes on.
+const DETACH_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The host's own wait beyond the deadline it gives the guest: the guest
+/// agent is the tenant's to replace, so its promise to time out is not
+/// relied on.
+const HOST_MARGIN: Duration = Duration::from_secs(3);
 
 /// A volume attached to a sandbox: an ext4 image on this host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -198,14 +208,15 @@ fn freeze_script(volumes: &[VolumeAttachment], freeze: bool) -> String {
     script
 }
 
-async fn run(agent: &AgentClient, what: &str, script: String) -> Result<()> {
-    let output = agent
-        .exec_collect(ExecRequest {
-            cmd: script,
-            timeout: Some(GUEST_DEADLINE),
-            ..ExecRequest::default()
-        })
-        .await?;
+async fn run(agent: &AgentClient, what: &str, script: String, deadline: Duration) -> Result<()> {
+    let call = agent.exec_collect(ExecRequest {
+        cmd: script,
+        timeout: Some(deadline),
+        ..ExecRequest::default()
+    });
+    let output = tokio::time::timeout(deadline + HOST_MARGIN, call)
+        .await
+        .map_err(|_| EngineError::Timeout(format!("{what}: the guest did not answer")))??;
     if output.status.code != Some(0) {
         return Err(EngineError::Qemu {
             message: format!(
@@ -235,7 +246,13 @@ pub(crate) async fn after_restore(
 ) -> Result<()> {
     match step {
         Step::Mount if !volumes.is_empty() => {
-            run(agent, "attaching volumes", attach_script(volumes)).await
+            run(
+                agent,
+                "attaching volumes",
+                attach_script(volumes),
+                GUEST_DEADLINE,
+            )
+            .await
         }
         Step::Mount => Ok(()),
         Step::Thaw => thaw(agent, volumes).await,
@@ -247,21 +264,39 @@ pub(crate) async fn detach(agent: &AgentClient, volumes: &[VolumeAttachment]) ->
     if !volumes.iter().any(|v| !v.read_only) {
         return Ok(());
     }
-    run(agent, "detaching volumes", detach_script(volumes)).await
+    run(
+        agent,
+        "detaching volumes",
+        detach_script(volumes),
+        DETACH_DEADLINE,
+    )
+    .await
 }
 
 pub(crate) async fn freeze(agent: &AgentClient, volumes: &[VolumeAttachment]) -> Result<()> {
     if !volumes.iter().any(|v| !v.read_only) {
         return Ok(());
     }
-    run(agent, "freezing volumes", freeze_script(volumes, true)).await
+    run(
+        agent,
+        "freezing volumes",
+        freeze_script(volumes, true),
+        GUEST_DEADLINE,
+    )
+    .await
 }
 
 pub(crate) async fn thaw(agent: &AgentClient, volumes: &[VolumeAttachment]) -> Result<()> {
     if !volumes.iter().any(|v| !v.read_only) {
         return Ok(());
     }
-    run(agent, "thawing volumes", freeze_script(volumes, false)).await
+    run(
+        agent,
+        "thawing volumes",
+        freeze_script(volumes, false),
+        GUEST_DEADLINE,
+    )
+    .await
 }
 
 #[cfg(test)]

@@ -4,10 +4,15 @@
 //! the kill; and a guest that touches more memory than its cgroup allows is
 //! killed alone, reported as out of memory, while its neighbour answers.
 //!
+//! And a guest that stops answering costs only itself: listing and
+//! a create beside it stay fast while a call into it holds its lock, and
+//! its delete ends within its deadline.
+//!
 //! The engine here runs with a memory limit of [`MEMORY_LIMIT_MIB`] per VM
 //! (instead of guest RAM + overhead) so one guest can exceed it quickly.
 
-use shoal_engine::{Engine, EngineError, VmState};
+use shoal_engine::volume::VolumeAttachment;
+use shoal_engine::{CreateOptions, Engine, EngineError, VmState};
 use shoal_proto::client::{AgentClient, ExecOutput, ExecRequest};
 use shoal_testkit::{block_on, wait_until};
 use std::ffi::CString;
@@ -298,5 +303,98 @@ fn a_guest_that_exceeds_its_memory_is_killed_alone() {
             .kill(&greedy.id)
             .await
             .expect("delete of a failed sandbox");
+    });
+}
+
+/// A fresh ext4 image to attach as a writable volume.
+fn volume_image(name: &str) -> VolumeAttachment {
+    let dir = shoal_testkit::state_dir("vm_jail").join("test-volumes");
+    std::fs::create_dir_all(&dir).unwrap();
+    let image = dir.join(name);
+    let _ = std::fs::remove_file(&image);
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let made = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&image)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    VolumeAttachment {
+        name: name.to_owned(),
+        image,
+        read_only: false,
+    }
+}
+
+#[test]
+fn a_guest_that_stops_answering_costs_only_its_own_vm() {
+    block_on(async {
+        let options = CreateOptions {
+            volumes: vec![volume_image("silent")],
+            ..CreateOptions::default()
+        };
+        let silent = engine()
+            .create_with(TEMPLATE, None, options)
+            .await
+            .expect("create with a volume");
+        let silent = Sandbox { id: silent.id };
+        // The guest stops answering: its QEMU is stopped, as a guest that
+        // hangs (or an agent the tenant replaced with a silent one) looks
+        // from the host. Nothing in it answers from now on.
+        let pid = silent.pid().await;
+        shoal_testkit::signal_pid(pid, libc::SIGSTOP);
+
+        // A hibernation freezes the volume in the guest, holding the VM
+        // until the guest answers or the host's deadline passes.
+        let id = silent.id.clone();
+        let hibernating = tokio::spawn(async move { engine().hibernate(&id).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !hibernating.is_finished(),
+            "the silent guest answered the freeze"
+        );
+
+        let started = std::time::Instant::now();
+        let listed = engine().list().await;
+        assert!(listed.iter().any(|i| i.id == silent.id));
+        engine().get(&silent.id).await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "listing waited {:?} behind the silent guest",
+            started.elapsed()
+        );
+
+        let started = std::time::Instant::now();
+        let beside = Sandbox::create().await;
+        let created = started.elapsed();
+        let out = run(&beside.agent().await, "echo beside").await;
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "beside");
+        assert!(
+            created < Duration::from_secs(5),
+            "a create beside the silent guest took {created:?}"
+        );
+
+        let started = std::time::Instant::now();
+        engine()
+            .kill(&silent.id)
+            .await
+            .expect("delete of the silent sandbox");
+        let deleted = started.elapsed();
+        assert!(
+            deleted < Duration::from_secs(15),
+            "the delete of a silent sandbox took {deleted:?}"
+        );
+        let hibernated = tokio::time::timeout(Duration::from_secs(10), hibernating)
+            .await
+            .expect("the hibernation never ended")
+            .unwrap();
+        assert!(
+            hibernated.is_err(),
+            "a silent guest hibernated: {hibernated:?}"
+        );
+        println!("create beside: {created:?}, delete: {deleted:?}, hibernate: {hibernated:?}");
     });
 }
