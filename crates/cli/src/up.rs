@@ -30,6 +30,11 @@ pub struct HostArgs {
     /// Memory (MiB) kept free on the host; creates that would go below are refused with 507.
     #[arg(long, default_value_t = 1024)]
     pub memory_reserve_mib: u64,
+    /// The VMs' memory limits (guest RAM + overhead each) may add up to this
+    /// times the host's memory less the reserve; more creates are refused
+    /// with 503. Idle clones hold little of their RAM, hence > 1; 0: no limit.
+    #[arg(long, default_value_t = shoal_host::DEFAULT_MEMORY_OVERCOMMIT)]
+    pub memory_overcommit: f64,
     /// Space (MiB) kept free on the state dir's file system; creates, forks,
     /// wakes, snapshots and hibernations are refused with 507 while less is free.
     #[arg(long, default_value_t = shoal_host::DEFAULT_DISK_RESERVE_MIB)]
@@ -188,6 +193,7 @@ pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
         max_sandboxes: args.max_sandboxes,
         memory_reserve_mib: args.memory_reserve_mib,
         disk_reserve_mib: args.disk_reserve_mib,
+        memory_overcommit: args.memory_overcommit,
     })
     .await
     .context("opening the host agent")?;

@@ -4,7 +4,8 @@
 //! `failed` with `status_reason: "out of memory"`, every call but delete is
 //! a 409 saying so, its neighbour answers, a delete clears it; and a Slurm
 //! array task that does the same shows `OUT_OF_MEMORY` in `sacct` while its
-//! sibling is `COMPLETED`. `shoal up` runs in its own process group and is
+//! sibling is `COMPLETED`. Admission counts the memory placed VMs may
+//! take (`--memory-overcommit` set so that two fit). `shoal up` runs in its own process group and is
 //! stopped by its id.
 
 use reqwest::StatusCode;
@@ -75,8 +76,23 @@ fn a_vm_killed_for_memory_is_failed_with_the_reason() {
         let state = shoal_testkit::state_dir("vm_out_of_memory");
         let _ = std::fs::remove_dir_all(&state);
         std::fs::create_dir_all(&state).unwrap();
+        // Room for two VMs' limits (2.5 x 256 MiB) and not three.
+        let total_mib = std::fs::read_to_string("/proc/meminfo")
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap()
+            / 1024.0;
+        let overcommit = 2.5 * 256.0 / (total_mib - 1024.0);
         let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
-            .args(["--vm-memory-limit-mib", "256"])
+            .args([
+                "--vm-memory-limit-mib",
+                "256",
+                "--memory-reserve-mib",
+                "1024",
+            ])
+            .args(["--memory-overcommit", &overcommit.to_string()])
             .start()
             .await;
         let api = Api {
@@ -87,6 +103,15 @@ fn a_vm_killed_for_memory_is_failed_with_the_reason() {
 
         let greedy = api.create().await;
         let neighbour = api.create().await;
+        // Admission counts the memory the two may take: a third is a 503.
+        let (status, body) = api
+            .call(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "base"})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
         let (status, body) = api.exec(&greedy, FILL).await;
         assert_eq!(status, StatusCode::CONFLICT, "the fill: {body}");
         assert_eq!(
@@ -137,6 +162,15 @@ fn a_vm_killed_for_memory_is_failed_with_the_reason() {
             )
             .await;
         assert_eq!(status, StatusCode::NOT_FOUND);
+
+        let (status, _) = api
+            .call(
+                reqwest::Method::DELETE,
+                &format!("/v1/sandboxes/{neighbour}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
 
         // The same through the Slurm bridge: task 1 fills memory, task 2 not.
         let submit = state.join("submit");

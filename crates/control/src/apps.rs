@@ -683,7 +683,10 @@ async fn stop_sandbox(cp: &ControlPlane, sandbox: Option<&str>) {
 
 /// Whether the host refused for lack of room (the SDK would retry).
 fn is_capacity(e: &HostError) -> bool {
-    matches!(e, HostError::Full | HostError::MemoryShort { .. })
+    matches!(
+        e,
+        HostError::Full | HostError::MemoryShort { .. } | HostError::Overcommitted { .. }
+    )
 }
 
 /// Makes the app's sandbox, starts its command and waits for its port.
@@ -697,7 +700,7 @@ async fn deploy(cp: &Arc<ControlPlane>, app: &AppRow) {
             return fail(cp, app, None, format!("template {template}: {e}")).await;
         }
     };
-    let slot = match cp.host.reserve(1).await {
+    let slot = match cp.host.reserve(1, manifest.memory_mib).await {
         Ok(slot) => slot,
         Err(e) if is_capacity(&e) => return park(cp, app, None, e.to_string()).await,
         Err(e) => return fail(cp, app, None, e.to_string()).await,

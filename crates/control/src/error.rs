@@ -87,7 +87,7 @@ impl From<StoreError> for ApiError {
 impl From<HostError> for ApiError {
     fn from(e: HostError) -> Self {
         match e {
-            HostError::Full => Self::no_capacity(),
+            HostError::Full | HostError::Overcommitted { .. } => Self::no_capacity(),
             HostError::MemoryShort { .. } => Self::new(
                 StatusCode::INSUFFICIENT_STORAGE,
                 "insufficient host memory for sandbox",

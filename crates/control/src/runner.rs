@@ -851,6 +851,15 @@ async fn prepare(agent: &AgentClient, info: &SweepInfo, forked: bool) -> Result<
     Ok(())
 }
 
+/// Guest RAM of `template`'s VMs, for admission (0 when it is unknown: the
+/// create that follows says why).
+fn template_memory_mib(cp: &ControlPlane, template: &str) -> u32 {
+    cp.host
+        .engine()
+        .template(template)
+        .map_or(0, |manifest| manifest.memory_mib)
+}
+
 /// A guest's own refusal fails the attempt; a broken channel means the
 /// sandbox is gone.
 fn classify_agent_error(what: &str, e: AgentError) -> Ran {
@@ -923,7 +932,11 @@ async fn make_sandbox(
         },
         None => (None, None),
     };
-    let slot = cp.host.reserve(1).await.map_err(refusal)?;
+    let slot = cp
+        .host
+        .reserve(1, template_memory_mib(cp, &sweep.template))
+        .await
+        .map_err(refusal)?;
     let lifetime = sweep.timeout_seconds + LIFETIME_MARGIN_SECONDS;
     let new = NewSandbox {
         id: crate::sandboxes::new_id(),
@@ -999,7 +1012,9 @@ async fn make_sandbox(
 /// Host refusals are for later; anything else fails the attempt.
 fn refusal(e: HostError) -> Refusal {
     match e {
-        HostError::Full | HostError::MemoryShort { .. } => Refusal::Retry(e.to_string()),
+        HostError::Full | HostError::MemoryShort { .. } | HostError::Overcommitted { .. } => {
+            Refusal::Retry(e.to_string())
+        }
         other => Refusal::Fail(format!(
             "creating the sandbox: {}",
             crate::error::ApiError::from(other).message
@@ -1040,7 +1055,11 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         .get("timeout_seconds")
         .and_then(Value::as_u64)
         .unwrap_or(sweep.timeout_seconds);
-    let slot = cp.host.reserve(1).await.map_err(refusal)?;
+    let slot = cp
+        .host
+        .reserve(1, template_memory_mib(cp, &sweep.template))
+        .await
+        .map_err(refusal)?;
     let mut metadata = shoal_store::Metadata::new();
     metadata.insert("sweep".into(), sweep.id.clone());
     metadata.insert("sweep_role".into(), "parent".into());

@@ -278,7 +278,7 @@ async fn create_detached(
     };
     // A snapshot's template gives its size.
     let manifest = cp.host.engine().template(&template)?;
-    let slot = cp.host.reserve(1).await?;
+    let slot = cp.host.reserve(1, manifest.memory_mib).await?;
     let new = NewSandbox {
         id: new_id(),
         template,
@@ -396,7 +396,7 @@ async fn fork_children(
     if !info.volumes.is_empty() {
         return Err(shoal_host::EngineError::HasVolumes(parent.id.clone()).into());
     }
-    let slots = cp.host.reserve(count).await?;
+    let slots = cp.host.reserve(count, info.memory_mib).await?;
     let mut metadata = parent.metadata.clone();
     metadata.extend(extra);
     metadata.insert("fork_parent_id".into(), parent.id.clone());

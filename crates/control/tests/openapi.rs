@@ -20,6 +20,7 @@ async fn the_document_and_the_router_agree() {
         engine: shoal_host::EngineConfig::new(dir.path().join("state")),
         max_sandboxes: None,
         memory_reserve_mib: 0,
+        memory_overcommit: shoal_host::DEFAULT_MEMORY_OVERCOMMIT,
         disk_reserve_mib: 0,
     })
     .await

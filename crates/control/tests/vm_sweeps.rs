@@ -36,6 +36,7 @@ async fn host() -> Arc<HostAgent> {
             engine,
             max_sandboxes: None,
             memory_reserve_mib: 0,
+            memory_overcommit: shoal_host::DEFAULT_MEMORY_OVERCOMMIT,
             disk_reserve_mib: 0,
         })
         .await

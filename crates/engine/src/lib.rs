@@ -295,6 +295,15 @@ impl Engine {
         Ok(engine)
     }
 
+    /// The memory limit (MiB) of a VM with `memory_mib` of guest RAM: what
+    /// it may take of the host at most.
+    pub fn memory_limit_mib(&self, memory_mib: u32) -> u32 {
+        self.config
+            .jail
+            .memory_limit_mib
+            .unwrap_or(memory_mib.saturating_add(self.config.jail.memory_overhead_mib))
+    }
+
     pub fn accel(&self) -> Accel {
         self.accel
     }

@@ -1,8 +1,14 @@
 //! The capacity gate: slots for sandboxes held in memory, the host's
-//! available memory, and free space on the engine's state disk (where VM
-//! disk layers, snapshots and hibernated memory are written). All are
-//! checked before anything is made, so a refusal means nothing exists and
-//! the client may retry.
+//! available memory, the memory the VMs already placed may still take
+//! (each up to its cgroup's limit), and free space on the engine's state
+//! disk (where VM disk layers, snapshots and hibernated memory are
+//! written). All are checked before anything is made, so a refusal means
+//! nothing exists and the client may retry.
+//!
+//! Committed memory: an idle clone holds ~25 MiB of its template's RAM, so
+//! a host commits more than it has (`overcommit` times its memory less the
+//! reserve). What the ratio bounds is the burst: creates that each see
+//! `MemAvailable` fine before any of them has grown.
 
 use crate::{HostError, Result};
 use std::path::{Path, PathBuf};
@@ -11,36 +17,69 @@ use std::sync::{Arc, Mutex};
 pub struct Capacity {
     max_sandboxes: Option<usize>,
     reserve_mib: u64,
+    /// Memory limits of VMs may add up to this times (total − reserve).
+    overcommit: f64,
+    /// `MemTotal`, read once.
+    total_mib: Option<u64>,
     /// The engine's state directory, whose file system is measured.
     state_dir: PathBuf,
     /// Space (MiB) kept free on that file system.
     disk_reserve_mib: u64,
-    /// Slots promised to creates still in flight.
-    pending: Arc<Mutex<usize>>,
+    /// Slots and memory limits (MiB) promised to creates still in flight.
+    pending: Arc<Mutex<Pending>>,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    slots: usize,
+    memory_mib: u64,
+}
+
+/// What the VMs on the host hold now (hibernated ones hold nothing).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Held {
+    pub sandboxes: usize,
+    /// The sum of their cgroups' memory limits.
+    pub memory_mib: u64,
 }
 
 /// Slots held for sandboxes being made; released when dropped (by then the
 /// sandboxes exist and are counted by the engine, or failed).
 pub struct Reservation {
     count: usize,
-    pending: Arc<Mutex<usize>>,
+    memory_mib: u64,
+    pending: Arc<Mutex<Pending>>,
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        *self.pending.lock().unwrap() -= self.count;
+        let mut pending = self.pending.lock().unwrap();
+        pending.slots -= self.count;
+        pending.memory_mib -= self.memory_mib;
     }
 }
+
+/// The default [`Capacity`] overcommit ratio.
+pub const DEFAULT_MEMORY_OVERCOMMIT: f64 = 8.0;
 
 impl Capacity {
     pub fn new(max_sandboxes: Option<usize>, reserve_mib: u64) -> Self {
         Capacity {
             max_sandboxes,
             reserve_mib,
+            overcommit: DEFAULT_MEMORY_OVERCOMMIT,
+            total_mib: meminfo_mib("MemTotal:"),
             state_dir: PathBuf::new(),
             disk_reserve_mib: 0,
             pending: Arc::default(),
         }
+    }
+
+    /// The same gate with memory limits adding up to at most `ratio` times
+    /// the host's memory less the reserve (0: no such limit).
+    pub fn with_overcommit(mut self, ratio: f64) -> Self {
+        self.overcommit = ratio;
+        self
     }
 
     /// The same gate, also refusing while the file system of `state_dir`
@@ -78,10 +117,11 @@ impl Capacity {
         Ok(())
     }
 
-    /// `held` sandboxes are in memory now; take `count` more slots.
-    pub fn reserve(&self, held: usize, count: usize) -> Result<Reservation> {
+    /// `held` is in memory now; take `count` more slots for VMs whose
+    /// cgroups allow `memory_mib` each.
+    pub fn reserve(&self, held: Held, count: usize, memory_mib: u64) -> Result<Reservation> {
         self.check_disk()?;
-        let available_mib = available_memory_mib();
+        let available_mib = meminfo_mib("MemAvailable:");
         if available_mib.is_some_and(|a| a < self.reserve_mib) {
             return Err(HostError::MemoryShort {
                 available_mib: available_mib.unwrap_or(0),
@@ -90,22 +130,37 @@ impl Capacity {
         }
         let mut pending = self.pending.lock().unwrap();
         if let Some(max) = self.max_sandboxes {
-            if held + *pending + count > max {
+            if held.sandboxes + pending.slots + count > max {
                 return Err(HostError::Full);
             }
         }
-        *pending += count;
+        let wanted_mib = memory_mib.saturating_mul(count as u64);
+        if let (Some(total), true) = (self.total_mib, self.overcommit > 0.0) {
+            let limit_mib =
+                (total.saturating_sub(self.reserve_mib) as f64 * self.overcommit) as u64;
+            let committed_mib = held.memory_mib + pending.memory_mib;
+            if committed_mib + wanted_mib > limit_mib {
+                return Err(HostError::Overcommitted {
+                    committed_mib,
+                    wanted_mib,
+                    limit_mib,
+                });
+            }
+        }
+        pending.slots += count;
+        pending.memory_mib += wanted_mib;
         Ok(Reservation {
             count,
+            memory_mib: wanted_mib,
             pending: self.pending.clone(),
         })
     }
 }
 
-/// `MemAvailable` from /proc/meminfo, in MiB.
-fn available_memory_mib() -> Option<u64> {
+/// A field of /proc/meminfo (`"MemAvailable:"`), in MiB.
+fn meminfo_mib(field: &str) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let line = meminfo.lines().find(|l| l.starts_with(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024)
 }
@@ -117,11 +172,17 @@ mod tests {
     #[test]
     fn slots_are_held_until_the_reservation_drops() {
         let capacity = Capacity::new(Some(2), 0);
-        let first = capacity.reserve(0, 2).unwrap();
-        assert!(matches!(capacity.reserve(0, 1), Err(HostError::Full)));
+        let first = capacity.reserve(held(0, 0), 2, 512).unwrap();
+        assert!(matches!(
+            capacity.reserve(held(0, 0), 1, 512),
+            Err(HostError::Full)
+        ));
         drop(first);
-        assert!(capacity.reserve(1, 1).is_ok());
-        assert!(matches!(capacity.reserve(2, 1), Err(HostError::Full)));
+        assert!(capacity.reserve(held(1, 512), 1, 512).is_ok());
+        assert!(matches!(
+            capacity.reserve(held(2, 1024), 1, 512),
+            Err(HostError::Full)
+        ));
     }
 
     #[test]
@@ -129,7 +190,7 @@ mod tests {
         let dir = std::env::temp_dir();
         let capacity = Capacity::new(None, 0).with_disk_reserve(&dir, u64::MAX >> 21);
         assert!(matches!(
-            capacity.reserve(0, 1),
+            capacity.reserve(held(0, 0), 1, 0),
             Err(HostError::DiskShort { .. })
         ));
         assert!(matches!(
@@ -139,15 +200,50 @@ mod tests {
         // A missing state dir is measured at its parent.
         let missing = dir.join("shoal-capacity-no-such-dir/state");
         let capacity = Capacity::new(None, 0).with_disk_reserve(&missing, 1);
-        assert!(capacity.reserve(0, 1).is_ok());
+        assert!(capacity.reserve(held(0, 0), 1, 0).is_ok());
     }
 
     #[test]
     fn a_host_short_of_memory_refuses() {
         let capacity = Capacity::new(None, u64::MAX);
         assert!(matches!(
-            capacity.reserve(0, 1),
+            capacity.reserve(held(0, 0), 1, 0),
             Err(HostError::MemoryShort { .. })
         ));
+    }
+
+    #[test]
+    fn committed_memory_counts_placed_and_pending_vms() {
+        let mut capacity = Capacity::new(None, 1024).with_overcommit(2.0);
+        capacity.total_mib = Some(9 * 1024);
+        // (9 GiB - 1 GiB) x 2 = 16 GiB of limits.
+        let limit = 16 * 1024;
+        assert!(capacity.reserve(held(0, 0), 1, limit).is_ok());
+        let placed = held(3, 12 * 1024);
+        let pending = capacity.reserve(placed, 1, 3 * 1024).unwrap();
+        match capacity.reserve(placed, 1, 2 * 1024) {
+            Err(HostError::Overcommitted {
+                committed_mib,
+                wanted_mib,
+                limit_mib,
+            }) => assert_eq!(
+                (committed_mib, wanted_mib, limit_mib),
+                (15 * 1024, 2 * 1024, limit)
+            ),
+            other => panic!("{:?}", other.err()),
+        }
+        drop(pending);
+        assert!(capacity.reserve(placed, 2, 2 * 1024).is_ok());
+        // Ratio 0: no limit.
+        let mut unlimited = Capacity::new(None, 0).with_overcommit(0.0);
+        unlimited.total_mib = Some(1);
+        assert!(unlimited.reserve(held(100, 1 << 30), 1, 1 << 20).is_ok());
+    }
+
+    fn held(sandboxes: usize, memory_mib: u64) -> Held {
+        Held {
+            sandboxes,
+            memory_mib,
+        }
     }
 }

@@ -12,7 +12,7 @@ mod capacity;
 mod repl;
 mod volumes;
 
-pub use capacity::{Capacity, Reservation};
+pub use capacity::{Capacity, Held, Reservation, DEFAULT_MEMORY_OVERCOMMIT};
 pub use shoal_engine::net::GUEST_IP;
 pub use shoal_engine::qemu::VOLUME_SLOTS;
 pub use shoal_engine::vm::OUT_OF_MEMORY;
@@ -39,6 +39,9 @@ pub struct HostConfig {
     /// a create, fork, wake, snapshot or hibernation is refused (507) while
     /// less is free. 0: no check.
     pub disk_reserve_mib: u64,
+    /// VMs' memory limits may add up to this times the host's memory less
+    /// the reserve (503 beyond); 0: no such limit.
+    pub memory_overcommit: f64,
 }
 
 /// The default of [`HostConfig::disk_reserve_mib`]: room for a few
@@ -61,6 +64,14 @@ pub enum HostError {
         "insufficient host storage for volume: {available_mb} MiB free, {wanted_mb} MiB wanted"
     )]
     StorageShort { available_mb: u64, wanted_mb: u64 },
+    /// The VMs placed (and being placed) may already take as much memory as
+    /// the host commits: retry later.
+    #[error("no compute capacity available: {committed_mib} MiB of VM memory committed, {wanted_mib} MiB more wanted, {limit_mib} MiB allowed")]
+    Overcommitted {
+        committed_mib: u64,
+        wanted_mib: u64,
+        limit_mib: u64,
+    },
     /// The state disk has less free than its reserve: nothing was written.
     #[error("insufficient host storage: {available_mib} MiB free on the state disk, {reserve_mib} MiB reserved")]
     DiskShort {
@@ -101,6 +112,7 @@ impl HostAgent {
         Ok(Arc::new(HostAgent {
             engine,
             capacity: Capacity::new(config.max_sandboxes, config.memory_reserve_mib)
+                .with_overcommit(config.memory_overcommit)
                 .with_disk_reserve(&config.engine.state_dir, config.disk_reserve_mib),
             sessions: repl::Sessions::default(),
         }))
@@ -110,16 +122,18 @@ impl HostAgent {
         &self.engine
     }
 
-    /// Takes `count` slots for sandboxes about to be made (see [`Capacity`]).
-    pub async fn reserve(&self, count: usize) -> Result<Reservation> {
-        let held = self
-            .engine
-            .list()
-            .await
-            .into_iter()
-            .filter(|s| s.state != VmState::Hibernated)
-            .count();
-        self.capacity.reserve(held, count)
+    /// Takes `count` slots for sandboxes of `memory_mib` of guest RAM each,
+    /// about to be made (see [`Capacity`]).
+    pub async fn reserve(&self, count: usize, memory_mib: u32) -> Result<Reservation> {
+        let mut held = Held::default();
+        for vm in self.engine.list().await {
+            if vm.state != VmState::Hibernated {
+                held.sandboxes += 1;
+                held.memory_mib += u64::from(self.engine.memory_limit_mib(vm.memory_mib));
+            }
+        }
+        let each = u64::from(self.engine.memory_limit_mib(memory_mib));
+        self.capacity.reserve(held, count, each)
     }
 
     /// Makes a sandbox in a slot taken by [`HostAgent::reserve`].
@@ -159,7 +173,7 @@ impl HostAgent {
         if info.state != VmState::Hibernated {
             return Ok(info);
         }
-        let _slot = self.reserve(1).await?;
+        let _slot = self.reserve(1, info.memory_mib).await?;
         Ok(self.engine.wake(id).await?)
     }
 
