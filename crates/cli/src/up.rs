@@ -205,6 +205,10 @@ pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
             .build_template(&spec.name, &agent, &progress)
             .await
             .with_context(|| format!("building template {}", spec.name))?;
+        // Hashed now, so the first create does not pay for it.
+        host.engine()
+            .verified_template(&spec.name)
+            .with_context(|| format!("checking template {}", spec.name))?;
         eprintln!(
             "template {}: ready ({} vCPUs, {} MiB, {})",
             spec.name, manifest.vcpus, manifest.memory_mib, manifest.accel

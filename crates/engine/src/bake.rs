@@ -199,6 +199,7 @@ impl Engine {
             accel: self.accel,
             kernel_version: artifacts.kernel_version.clone(),
             input_hash: hash.to_string(),
+            memory_sha256: None,
             created_unix_ms: now_unix_ms(),
         };
         let overlay = self.empty_overlay(&base)?;
@@ -274,6 +275,7 @@ impl Engine {
         let manifest = Manifest {
             disk_layers: vec![artifacts.rootfs.clone(), final_dir.join("disk.qcow2")],
             created_unix_ms: now_unix_ms(),
+            memory_sha256: Some(crate::integrity::memory_sha256(&dir.join("memory"))?),
             ..base
         };
         manifest.store(dir)?;
@@ -369,6 +371,7 @@ impl Engine {
                 accel: self.accel,
                 kernel_version: String::new(),
                 input_hash: String::new(),
+                memory_sha256: None,
                 created_unix_ms: 0,
             };
             let disk_top = dir.join("disk.qcow2");

@@ -139,6 +139,7 @@ async fn capture_into(
         accel: source.accel,
         kernel_version: source.kernel_version.clone(),
         input_hash: source.input_hash.clone(),
+        memory_sha256: None,
         created_unix_ms: now_unix_ms(),
     };
     manifest.store(dir)?;

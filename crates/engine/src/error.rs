@@ -18,6 +18,13 @@ pub enum EngineError {
         baked_by: String,
         host: String,
     },
+    /// The template's memory file is not what its bake wrote (see
+    /// [`crate::integrity`]); nothing is restored from it until a rebuild.
+    #[error("template {name}'s memory file {path} changed since its bake: refusing to restore it (rebuild the template)")]
+    TemplateTampered {
+        name: String,
+        path: std::path::PathBuf,
+    },
     #[error("no sandbox {0}")]
     NoSuchSandbox(String),
     #[error("no snapshot {0}")]

@@ -38,6 +38,7 @@ mod bake;
 mod capture;
 pub mod cgroup;
 pub mod error;
+pub mod integrity;
 pub mod jail;
 pub mod manifest;
 pub mod memory;
@@ -216,6 +217,8 @@ pub struct Engine {
     pub(crate) net: Arc<net::NetPool>,
     pub(crate) jail: jail::Jail,
     failures: tokio::sync::broadcast::Sender<VmFailure>,
+    /// Template memory files hashed and found as baked (see [`integrity`]).
+    verified: integrity::Verified,
     _lock: std::fs::File,
 }
 
@@ -270,6 +273,7 @@ impl Engine {
             net,
             jail,
             failures: tokio::sync::broadcast::channel(256).0,
+            verified: integrity::Verified::default(),
             _lock: lock,
         };
         for record in hibernated {
@@ -352,6 +356,36 @@ impl Engine {
         Ok(manifest)
     }
 
+    /// [`Engine::template`], with its memory file checked against its bake
+    /// (as every create does).
+    pub fn verified_template(&self, name: &str) -> Result<Manifest> {
+        let manifest = self.template(name)?;
+        self.verify_template_memory(&manifest)?;
+        Ok(manifest)
+    }
+
+    /// Refuses a template whose memory file is not what its bake wrote
+    /// (see [`integrity`]). A bake from before the hash was recorded gets
+    /// it now, from the file as it is.
+    fn verify_template_memory(&self, manifest: &Manifest) -> Result<()> {
+        let expected = match &manifest.memory_sha256 {
+            Some(hash) => hash.clone(),
+            None => {
+                // Written atomically; two engines doing this at once write
+                // the same manifest.
+                let hash = integrity::memory_sha256(&manifest.memory_file)?;
+                let mut recorded = manifest.clone();
+                recorded.memory_sha256 = Some(hash.clone());
+                if let Some(bake_dir) = manifest.memory_file.parent() {
+                    recorded.store(bake_dir)?;
+                }
+                hash
+            }
+        };
+        self.verified
+            .check(&manifest.memory_file, &expected, &manifest.template)
+    }
+
     fn check_compatible(&self, manifest: &Manifest) -> Result<()> {
         let host = format!("{} ({})", self.qemu_version, self.accel);
         let baked_by = format!("{} ({})", manifest.qemu_version, manifest.accel);
@@ -379,6 +413,7 @@ impl Engine {
         options: CreateOptions,
     ) -> Result<SandboxInfo> {
         let source = self.template(template)?;
+        self.verify_template_memory(&source)?;
         let id = id.unwrap_or_else(new_sandbox_id);
         self.start_from(id, source, options).await
     }

@@ -46,6 +46,11 @@ pub struct Manifest {
     /// For templates: the hash of every input of the bake.
     #[serde(default)]
     pub input_hash: String,
+    /// For templates: [`crate::integrity::memory_sha256`] of the memory
+    /// file as the bake wrote it (older bakes have none: taken at their
+    /// first load).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_sha256: Option<String>,
     pub created_unix_ms: u64,
 }
 
