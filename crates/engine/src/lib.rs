@@ -556,6 +556,7 @@ impl Engine {
             live.pid,
             live.stopping.clone(),
             live.jail.cgroup.oom_counter(),
+            qemu::console_log(&vm.dir),
             move |reason| {
                 let Some(vm) = dead.upgrade() else { return };
                 tracing::warn!(sandbox = vm.id, reason, "sandbox failed");

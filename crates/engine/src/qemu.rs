@@ -133,6 +133,36 @@ pub fn console_log(dir: &Path) -> PathBuf {
     dir.join("console.log")
 }
 
+/// A console log longer than this is cut to its last [`CONSOLE_LOG_KEEP`]
+/// bytes: the guest writes it, so without a cap it could fill the disk.
+pub const CONSOLE_LOG_CAP: u64 = 2 << 20;
+/// What a cut keeps: as much as `GET .../logs` answers with.
+pub const CONSOLE_LOG_KEEP: u64 = 1 << 20;
+
+/// Cuts the console log at `path` to its last [`CONSOLE_LOG_KEEP`] bytes
+/// when it is over [`CONSOLE_LOG_CAP`]. QEMU appends (`append=on`), so it
+/// goes on writing at the new end; what it writes during the cut (a few
+/// microseconds) may be lost or land before the kept tail.
+pub fn cap_console_log(path: &Path) -> std::io::Result<bool> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let len = file.metadata()?.len();
+    if len <= CONSOLE_LOG_CAP {
+        return Ok(false);
+    }
+    file.seek(SeekFrom::Start(len - CONSOLE_LOG_KEEP))?;
+    let mut tail = Vec::with_capacity(CONSOLE_LOG_KEEP as usize);
+    (&mut file).take(CONSOLE_LOG_KEEP).read_to_end(&mut tail)?;
+    file.set_len(0)?;
+    file.seek(SeekFrom::Start(0))?;
+    file.write_all(b"[shoal: console log cut to its last MiB]\n")?;
+    file.write_all(&tail)?;
+    Ok(true)
+}
+
 pub fn qemu_log(dir: &Path) -> PathBuf {
     dir.join("qemu.log")
 }
@@ -181,8 +211,14 @@ impl LaunchSpec {
         }
         push("-display");
         push("none");
+        // Appended, so that [`cap_console_log`] can cut it under QEMU.
+        push("-chardev");
+        push(&format!(
+            "file,id=console,path={},append=on",
+            console_log(&self.dir).display()
+        ));
         push("-serial");
-        push(&format!("file:{}", console_log(&self.dir).display()));
+        push("chardev:console");
         // Once machine set-up is done (every file below opened, every socket
         // bound), QEMU chroots into the empty jail and becomes the VM's own
         // uid; what it must open later comes as a descriptor.
@@ -422,6 +458,32 @@ pub fn version_id(qemu: &Path) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_console_log_over_its_cap_keeps_its_last_mib() {
+        let dir = std::env::temp_dir().join(format!("shoal-console-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("console.log");
+        std::fs::write(&path, vec![b'a'; CONSOLE_LOG_CAP as usize]).unwrap();
+        assert!(!cap_console_log(&path).unwrap(), "at the cap: kept whole");
+        let mut text = vec![b'a'; CONSOLE_LOG_CAP as usize];
+        text.extend_from_slice(b"the end\n");
+        std::fs::write(&path, &text).unwrap();
+        assert!(cap_console_log(&path).unwrap());
+        let kept = std::fs::read(&path).unwrap();
+        assert!(kept.starts_with(b"[shoal: console log cut"));
+        assert!(kept.ends_with(b"aaathe end\n"));
+        assert!(kept.len() as u64 <= CONSOLE_LOG_KEEP + 64);
+        // A writer that appends goes on at the new end.
+        use std::io::Write;
+        let mut appender = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        appender.write_all(b"after\n").unwrap();
+        assert!(std::fs::read(&path).unwrap().ends_with(b"the end\nafter\n"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     fn spec(boot: Boot) -> LaunchSpec {
         LaunchSpec {

@@ -100,11 +100,13 @@ pub const OUT_OF_MEMORY: &str = "out of memory";
 /// did not stop it, calls `died` with the reason (out of memory when the
 /// VM's cgroup counted a kill). Meanwhile reads the group's memory pressure
 /// once a second and kills a QEMU that thrashes at its limit
-/// ([`crate::cgroup::ThrashWatch`]), which the kernel would not.
+/// ([`crate::cgroup::ThrashWatch`]), which the kernel would not, and keeps
+/// its console log under [`qemu::CONSOLE_LOG_CAP`].
 pub(crate) fn watch_exit(
     pid: u32,
     stopping: Arc<AtomicBool>,
     oom: crate::cgroup::OomCounter,
+    console: PathBuf,
     died: impl FnOnce(String) + Send + 'static,
 ) -> Result<()> {
     // SAFETY: pidfd_open(2) of our own child, which is not reaped before
@@ -130,6 +132,9 @@ pub(crate) fn watch_exit(
             tokio::select! {
                 _ = pidfd.readable() => break,
                 _ = tick.tick() => {
+                    if let Err(e) = qemu::cap_console_log(&console) {
+                        tracing::debug!(pid, error = %e, "capping the console log");
+                    }
                     let Some(reading) = oom.pressure() else { continue };
                     if thrash.observe(reading) && !stopping.load(Ordering::SeqCst) {
                         tracing::warn!(pid, ?reading, "QEMU thrashes at its memory limit: killed");

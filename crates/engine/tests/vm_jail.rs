@@ -398,3 +398,38 @@ fn a_guest_that_stops_answering_costs_only_its_own_vm() {
         println!("create beside: {created:?}, delete: {deleted:?}, hibernate: {hibernated:?}");
     });
 }
+
+#[test]
+fn a_guest_cannot_grow_its_console_log_past_the_cap() {
+    block_on(async {
+        let chatty = Sandbox::create().await;
+        let log = engine().console_log(&chatty.id).unwrap();
+        // 3 MiB through the serial console, more than the cap.
+        let out = run(
+            &chatty.agent().await,
+            "head -c 2400000 /dev/urandom | base64 -w 1000 > /dev/ttyS0; echo written",
+        )
+        .await;
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "written",
+            "{out:?}"
+        );
+        // The engine looks once a second.
+        let capped = wait_until(Duration::from_secs(5), || {
+            let log = log.clone();
+            async move {
+                std::fs::metadata(&log)
+                    .map_or(false, |m| m.len() <= shoal_engine::qemu::CONSOLE_LOG_CAP)
+            }
+        })
+        .await;
+        let text = std::fs::read(&log).unwrap();
+        assert!(capped, "the console log is {} bytes", text.len());
+        assert!(
+            text.windows(23).any(|w| w == b"[shoal: console log cut"),
+            "the log was never cut: {} bytes",
+            text.len()
+        );
+    });
+}
