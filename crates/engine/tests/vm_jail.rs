@@ -420,7 +420,7 @@ fn a_guest_cannot_grow_its_console_log_past_the_cap() {
             let log = log.clone();
             async move {
                 std::fs::metadata(&log)
-                    .map_or(false, |m| m.len() <= shoal_engine::qemu::CONSOLE_LOG_CAP)
+                    .is_ok_and(|m| m.len() <= shoal_engine::qemu::CONSOLE_LOG_CAP)
             }
         })
         .await;
