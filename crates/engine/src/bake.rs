@@ -425,8 +425,13 @@ fn bake_hash(parts: &[&str]) -> String {
     hex::encode(hasher.finalize())
 }
 
+/// Points `current` at bake `hash`; left as it is when it already does, so
+/// its time says when the template last changed (see `bake_gc::GRACE`).
 fn set_current(template_dir: &Path, hash: &str) -> Result<()> {
     let path: PathBuf = template_dir.join("current");
+    if std::fs::read_to_string(&path).is_ok_and(|current| current.trim() == hash) {
+        return Ok(());
+    }
     let tmp = template_dir.join("current.tmp");
     std::fs::write(&tmp, hash).io_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, &path).io_context(|| format!("writing {}", path.display()))

@@ -35,6 +35,7 @@ pub(crate) async fn capture(
         Ok(manifest) => {
             std::fs::rename(&dir, &final_dir)
                 .io_context(|| format!("renaming {}", dir.display()))?;
+            engine.record_cache_use(&final_dir, &manifest);
             Ok(manifest)
         }
         Err(e) => {

@@ -35,6 +35,7 @@
 
 pub mod accel;
 mod bake;
+mod bake_gc;
 mod capture;
 pub mod cgroup;
 pub mod error;
@@ -296,6 +297,7 @@ impl Engine {
             engine.vms.lock().unwrap().insert(record.id, vm);
         }
         engine.collect_captures().await;
+        engine.collect_old_bakes();
         Ok(engine)
     }
 
@@ -509,6 +511,7 @@ impl Engine {
         let mut inner = vm.inner.lock().await;
         // vm.json goes first with no pid, so a crash mid-restore is reaped.
         vm.store_record(&inner)?;
+        self.record_cache_use(&vm.dir, source);
         let live = self.restore_vm(vm, source, volume::Step::Mount).await?;
         inner.live = Some(live);
         inner.source = source.clone();
@@ -918,6 +921,7 @@ impl Engine {
                 let _ = priority::apply(&self.config.proc_root, live.pid, CpuPriority::Normal);
                 live.terminate().await;
             }
+            self.forget_cache_use(&vm.dir, &inner.source);
             !inner.source.captures_needed().is_empty()
         };
         std::fs::remove_dir_all(&vm.dir).io_context(|| format!("removing {}", vm.dir.display()))?;
@@ -1017,6 +1021,53 @@ impl Engine {
     }
 
     /// Deletes fork and hibernate captures no VM or snapshot still needs.
+    /// Notes what this engine's hibernated VMs and captures use in the
+    /// shared cache (bakes from before notes were kept had none), then
+    /// removes old bakes and images nothing uses (see [`bake_gc`]).
+    fn collect_old_bakes(&self) {
+        let cache = &self.config.cache_dir;
+        let state = self.config.absolute_state_dir();
+        for vm in self.vms.lock().unwrap().values() {
+            if let Ok(inner) = vm.inner.try_lock() {
+                let user = state.join("vms").join(&vm.id);
+                bake_gc::record_use(
+                    cache,
+                    &user,
+                    inner.source.disk_layers.iter().map(PathBuf::as_path),
+                );
+            }
+        }
+        for entry in std::fs::read_dir(self.captures_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(manifest) = Manifest::load(&entry.path()) {
+                let user = state.join("captures").join(entry.file_name());
+                bake_gc::record_use(
+                    cache,
+                    &user,
+                    manifest.disk_layers.iter().map(PathBuf::as_path),
+                );
+            }
+        }
+        bake_gc::collect(cache, bake_gc::GRACE);
+    }
+
+    /// Notes that `user` (a VM or capture directory) uses `source`'s files.
+    pub(crate) fn record_cache_use(&self, user: &Path, source: &Manifest) {
+        let user = std::path::absolute(user).unwrap_or_else(|_| user.to_owned());
+        let layers = source.disk_layers.iter().map(PathBuf::as_path);
+        bake_gc::record_use(&self.config.cache_dir, &user, layers);
+    }
+
+    /// Removes what [`Engine::record_cache_use`] noted for `user`.
+    fn forget_cache_use(&self, user: &Path, source: &Manifest) {
+        let user = std::path::absolute(user).unwrap_or_else(|_| user.to_owned());
+        let layers = source.disk_layers.iter().map(PathBuf::as_path);
+        bake_gc::forget_use(&self.config.cache_dir, &user, layers);
+    }
+
     async fn collect_captures(&self) {
         let _gc = self.gc_lock.lock().await;
         let mut needed: std::collections::HashSet<String> = std::collections::HashSet::new();
