@@ -9,10 +9,20 @@
 //! a host commits more than it has (`overcommit` times its memory less the
 //! reserve). What the ratio bounds is the burst: creates that each see
 //! `MemAvailable` fine before any of them has grown.
+//!
+//! A refusal is about VMs that exist: a create that would fit beside the
+//! placed VMs but not beside other creates still in flight waits (up to
+//! [`PENDING_WAIT`]) for those to finish or fail, so a burst of creates the
+//! quota will mostly refuse gets its 429s, not 503s.
 
 use crate::{HostError, Result};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// The longest a create waits for in-flight creates before a refusal.
+pub const PENDING_WAIT: Duration = Duration::from_secs(10);
 
 pub struct Capacity {
     max_sandboxes: Option<usize>,
@@ -33,6 +43,8 @@ pub struct Capacity {
 struct Pending {
     slots: usize,
     memory_mib: u64,
+    /// Woken when a reservation is released.
+    released: Arc<Notify>,
 }
 
 /// What the VMs on the host hold now (hibernated ones hold nothing).
@@ -56,6 +68,7 @@ impl Drop for Reservation {
         let mut pending = self.pending.lock().unwrap();
         pending.slots -= self.count;
         pending.memory_mib -= self.memory_mib;
+        pending.released.notify_waiters();
     }
 }
 
@@ -120,18 +133,42 @@ impl Capacity {
     /// `held` is in memory now; take `count` more slots for VMs whose
     /// cgroups allow `memory_mib` each.
     pub fn reserve(&self, held: Held, count: usize, memory_mib: u64) -> Result<Reservation> {
-        self.check_disk()?;
+        self.try_reserve(held, count, memory_mib)
+            .map_err(|r| r.error)
+    }
+
+    /// What wakes a create waiting on in-flight ones (see [`Refusal`]).
+    pub fn released(&self) -> Arc<Notify> {
+        self.pending.lock().unwrap().released.clone()
+    }
+
+    /// [`Capacity::reserve`], saying whether the refusal is only for
+    /// creates still in flight.
+    pub fn try_reserve(
+        &self,
+        held: Held,
+        count: usize,
+        memory_mib: u64,
+    ) -> std::result::Result<Reservation, Refusal> {
+        let now = |error| Refusal {
+            error,
+            in_flight_only: false,
+        };
+        self.check_disk().map_err(now)?;
         let available_mib = meminfo_mib("MemAvailable:");
         if available_mib.is_some_and(|a| a < self.reserve_mib) {
-            return Err(HostError::MemoryShort {
+            return Err(now(HostError::MemoryShort {
                 available_mib: available_mib.unwrap_or(0),
                 reserve_mib: self.reserve_mib,
-            });
+            }));
         }
         let mut pending = self.pending.lock().unwrap();
         if let Some(max) = self.max_sandboxes {
             if held.sandboxes + pending.slots + count > max {
-                return Err(HostError::Full);
+                return Err(Refusal {
+                    error: HostError::Full,
+                    in_flight_only: held.sandboxes + count <= max,
+                });
             }
         }
         let wanted_mib = memory_mib.saturating_mul(count as u64);
@@ -140,10 +177,13 @@ impl Capacity {
                 (total.saturating_sub(self.reserve_mib) as f64 * self.overcommit) as u64;
             let committed_mib = held.memory_mib + pending.memory_mib;
             if committed_mib + wanted_mib > limit_mib {
-                return Err(HostError::Overcommitted {
-                    committed_mib,
-                    wanted_mib,
-                    limit_mib,
+                return Err(Refusal {
+                    error: HostError::Overcommitted {
+                        committed_mib,
+                        wanted_mib,
+                        limit_mib,
+                    },
+                    in_flight_only: held.memory_mib + wanted_mib <= limit_mib,
                 });
             }
         }
@@ -155,6 +195,13 @@ impl Capacity {
             pending: self.pending.clone(),
         })
     }
+}
+
+/// Why [`Capacity::try_reserve`] refused.
+pub struct Refusal {
+    pub error: HostError,
+    /// The placed VMs leave room: only creates in flight are in the way.
+    pub in_flight_only: bool,
 }
 
 /// A field of /proc/meminfo (`"MemAvailable:"`), in MiB.
@@ -238,6 +285,44 @@ mod tests {
         let mut unlimited = Capacity::new(None, 0).with_overcommit(0.0);
         unlimited.total_mib = Some(1);
         assert!(unlimited.reserve(held(100, 1 << 30), 1, 1 << 20).is_ok());
+    }
+
+    #[test]
+    fn a_refusal_only_for_creates_in_flight_says_so_and_wakes_on_release() {
+        let mut capacity = Capacity::new(Some(3), 0).with_overcommit(1.0);
+        capacity.total_mib = Some(10 * 1024);
+        let in_flight = capacity.reserve(held(0, 0), 1, 6 * 1024).unwrap();
+        // Memory: the placed VMs leave room, the create in flight does not.
+        let refusal = capacity.try_reserve(held(0, 0), 1, 6 * 1024).err().unwrap();
+        assert!(refusal.in_flight_only);
+        assert!(matches!(refusal.error, HostError::Overcommitted { .. }));
+        // Placed VMs alone are over: no waiting.
+        let refusal = capacity
+            .try_reserve(held(1, 6 * 1024), 1, 6 * 1024)
+            .err()
+            .unwrap();
+        assert!(!refusal.in_flight_only);
+        // Slots likewise.
+        let two = capacity.reserve(held(0, 0), 2, 1).unwrap();
+        let refusal = capacity.try_reserve(held(0, 0), 1, 1).err().unwrap();
+        assert!(matches!(refusal.error, HostError::Full) && refusal.in_flight_only);
+        let refusal = capacity.try_reserve(held(3, 3), 1, 1).err().unwrap();
+        assert!(!refusal.in_flight_only);
+        drop(two);
+
+        let released = capacity.released();
+        let woken = released.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        drop(in_flight);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        runtime
+            .block_on(async { tokio::time::timeout(Duration::from_secs(1), woken).await })
+            .expect("a release wakes waiters");
+        assert!(capacity.reserve(held(0, 0), 1, 6 * 1024).is_ok());
     }
 
     fn held(sandboxes: usize, memory_mib: u64) -> Held {

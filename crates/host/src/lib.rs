@@ -124,7 +124,33 @@ impl HostAgent {
 
     /// Takes `count` slots for sandboxes of `memory_mib` of guest RAM each,
     /// about to be made (see [`Capacity`]).
+    /// A refusal caused only by creates in flight waits for them, up to
+    /// [`capacity::PENDING_WAIT`].
     pub async fn reserve(&self, count: usize, memory_mib: u32) -> Result<Reservation> {
+        let each = u64::from(self.engine.memory_limit_mib(memory_mib));
+        let deadline = tokio::time::Instant::now() + capacity::PENDING_WAIT;
+        let released = self.capacity.released();
+        loop {
+            // Registered before the check, so a release between the check
+            // and the wait is not missed.
+            let woken = released.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let held = self.held().await;
+            match self.capacity.try_reserve(held, count, each) {
+                Ok(reservation) => return Ok(reservation),
+                Err(refusal) if refusal.in_flight_only => {
+                    if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                        return Err(refusal.error);
+                    }
+                }
+                Err(refusal) => return Err(refusal.error),
+            }
+        }
+    }
+
+    /// What the VMs on this host hold now.
+    async fn held(&self) -> Held {
         let mut held = Held::default();
         for vm in self.engine.list().await {
             if vm.state != VmState::Hibernated {
@@ -132,8 +158,7 @@ impl HostAgent {
                 held.memory_mib += u64::from(self.engine.memory_limit_mib(vm.memory_mib));
             }
         }
-        let each = u64::from(self.engine.memory_limit_mib(memory_mib));
-        self.capacity.reserve(held, count, each)
+        held
     }
 
     /// Makes a sandbox in a slot taken by [`HostAgent::reserve`].
