@@ -8,66 +8,28 @@
 //! take (`--memory-overcommit` set so that two fit). `shoal up` runs in its own process group and is
 //! stopped by its id.
 
-use reqwest::StatusCode;
-use serde_json::{json, Value};
-use shoal_testkit::block_on;
+use reqwest::{Method, StatusCode};
+use serde_json::json;
+use shoal_testkit::{block_on, Answer, ApiClient};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 const FILL: &str = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=1500";
 
-struct Api {
-    base: String,
-    token: String,
-    http: reqwest::Client,
+async fn create(api: &ApiClient) -> String {
+    let body = json!({"template": "base"});
+    let created = api.ok(Method::POST, "/v1/sandboxes", Some(body)).await;
+    created["id"].as_str().unwrap().to_owned()
 }
 
-impl Api {
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> (StatusCode, Value) {
-        let mut request = self
-            .http
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(&self.token)
-            .timeout(Duration::from_secs(180));
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        match request.send().await {
-            Ok(response) => {
-                let status = response.status();
-                let text = response.text().await.unwrap_or_default();
-                (status, serde_json::from_str(&text).unwrap_or(Value::Null))
-            }
-            // The exec whose VM died may lose its connection.
-            Err(e) => (StatusCode::BAD_GATEWAY, json!({ "error": e.to_string() })),
-        }
-    }
-
-    async fn create(&self) -> String {
-        let (status, body) = self
-            .call(
-                reqwest::Method::POST,
-                "/v1/sandboxes",
-                Some(json!({"template": "base"})),
-            )
-            .await;
-        assert_eq!(status, StatusCode::CREATED, "{body}");
-        body["id"].as_str().unwrap().to_owned()
-    }
-
-    async fn exec(&self, id: &str, cmd: &str) -> (StatusCode, Value) {
-        self.call(
-            reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/exec"),
-            Some(json!({ "cmd": cmd, "timeout_seconds": 120 })),
-        )
-        .await
-    }
+async fn exec(api: &ApiClient, id: &str, cmd: &str) -> Answer {
+    let body = json!({ "cmd": cmd, "timeout_seconds": 120 });
+    api.call(
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(body),
+    )
+    .await
 }
 
 #[test]
@@ -95,24 +57,24 @@ fn a_vm_killed_for_memory_is_failed_with_the_reason() {
             .args(["--memory-overcommit", &overcommit.to_string()])
             .start()
             .await;
-        let api = Api {
-            base: up.base().to_owned(),
-            token: up.token("oom"),
-            http: reqwest::Client::new(),
-        };
+        let api = ApiClient::new(up.base(), up.token("oom"));
 
-        let greedy = api.create().await;
-        let neighbour = api.create().await;
+        let greedy = create(&api).await;
+        let neighbour = create(&api).await;
         // Admission counts the memory the two may take: a third is a 503.
-        let (status, body) = api
+        let Answer {
+            status, json: body, ..
+        } = api
             .call(
-                reqwest::Method::POST,
+                Method::POST,
                 "/v1/sandboxes",
                 Some(json!({"template": "base"})),
             )
             .await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
-        let (status, body) = api.exec(&greedy, FILL).await;
+        let Answer {
+            status, json: body, ..
+        } = exec(&api, &greedy, FILL).await;
         assert_eq!(status, StatusCode::CONFLICT, "the fill: {body}");
         assert_eq!(
             body["error"].as_str().unwrap(),
@@ -121,12 +83,10 @@ fn a_vm_killed_for_memory_is_failed_with_the_reason() {
 
         let deadline = Instant::now() + Duration::from_secs(30);
         let row = loop {
-            let (status, row) = api
-                .call(
-                    reqwest::Method::GET,
-                    &format!("/v1/sandboxes/{greedy}"),
-                    None,
-                )
+            let Answer {
+                status, json: row, ..
+            } = api
+                .call(Method::GET, &format!("/v1/sandboxes/{greedy}"), None)
                 .await;
             assert_eq!(status, StatusCode::OK, "{row}");
             if row["status"] == "failed" {
@@ -137,38 +97,36 @@ fn a_vm_killed_for_memory_is_failed_with_the_reason() {
         };
         assert_eq!(row["status_reason"], "out of memory", "{row}");
 
-        let (status, body) = api.exec(&greedy, "true").await;
+        let Answer {
+            status, json: body, ..
+        } = exec(&api, &greedy, "true").await;
         assert_eq!(status, StatusCode::CONFLICT, "{body}");
         let message = body["error"].as_str().unwrap();
         assert!(message.contains("out of memory"), "{message}");
 
-        let (status, body) = api.exec(&neighbour, "echo alive").await;
+        let Answer {
+            status, json: body, ..
+        } = exec(&api, &neighbour, "echo alive").await;
         assert_eq!(status, StatusCode::OK, "{body}");
         assert_eq!(body["stdout"].as_str().unwrap().trim(), "alive");
 
-        let (status, _) = api
-            .call(
-                reqwest::Method::DELETE,
-                &format!("/v1/sandboxes/{greedy}"),
-                None,
-            )
+        let Answer {
+            status, json: _, ..
+        } = api
+            .call(Method::DELETE, &format!("/v1/sandboxes/{greedy}"), None)
             .await;
         assert_eq!(status, StatusCode::NO_CONTENT);
-        let (status, _) = api
-            .call(
-                reqwest::Method::GET,
-                &format!("/v1/sandboxes/{greedy}"),
-                None,
-            )
+        let Answer {
+            status, json: _, ..
+        } = api
+            .call(Method::GET, &format!("/v1/sandboxes/{greedy}"), None)
             .await;
         assert_eq!(status, StatusCode::NOT_FOUND);
 
-        let (status, _) = api
-            .call(
-                reqwest::Method::DELETE,
-                &format!("/v1/sandboxes/{neighbour}"),
-                None,
-            )
+        let Answer {
+            status, json: _, ..
+        } = api
+            .call(Method::DELETE, &format!("/v1/sandboxes/{neighbour}"), None)
             .await;
         assert_eq!(status, StatusCode::NO_CONTENT);
 

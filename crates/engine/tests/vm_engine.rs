@@ -2,10 +2,10 @@
 //! lifecycle, leaks and bad input. Every test restores real QEMU guests from
 //! the baked `code-interpreter` template (built once into the cache).
 
-use shoal_engine::{Engine, EngineError, VmState};
+use shoal_engine::{CreateOptions, Engine, EngineError, VmState};
 use shoal_proto::client::{AgentClient, ExecOutput, ExecRequest};
 use shoal_proto::ErrorKind;
-use shoal_testkit::{block_on, wait_until};
+use shoal_testkit::{block_on, wait_until, Sandbox};
 use std::time::Duration;
 
 const TEMPLATE: &str = "code-interpreter";
@@ -36,38 +36,15 @@ async fn stdout(agent: &AgentClient, cmd: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
-/// A sandbox killed when the test ends, even by a failed assertion.
-struct Sandbox {
-    id: String,
-}
-
-impl Sandbox {
-    async fn create() -> Sandbox {
-        let info = engine().create(TEMPLATE, None).await.expect("create");
-        Sandbox { id: info.id }
-    }
-
-    async fn agent(&self) -> AgentClient {
-        engine().agent(&self.id).await.expect("agent")
-    }
-}
-
-impl Drop for Sandbox {
-    fn drop(&mut self) {
-        let id = self.id.clone();
-        std::thread::spawn(move || {
-            let _ = shoal_testkit::runtime().block_on(engine().kill(&id));
-        })
-        .join()
-        .ok();
-    }
+async fn create() -> Sandbox {
+    Sandbox::create(engine(), TEMPLATE, CreateOptions::default()).await
 }
 
 #[test]
 fn clones_of_one_template_get_their_own_identity() {
     block_on(async {
-        let a = Sandbox::create().await;
-        let b = Sandbox::create().await;
+        let a = create().await;
+        let b = create().await;
         let (agent_a, agent_b) = (a.agent().await, b.agent().await);
         let random_a = stdout(
             &agent_a,
@@ -103,7 +80,7 @@ fn clones_of_one_template_get_their_own_identity() {
 #[test]
 fn fork_children_inherit_memory_and_disk_and_diverge() {
     block_on(async {
-        let parent = Sandbox::create().await;
+        let parent = create().await;
         let agent = parent.agent().await;
         stdout(&agent, "echo before-fork > /root/marker").await;
         // A process holding a counter in memory, printing it to a file.
@@ -117,7 +94,7 @@ fn fork_children_inherit_memory_and_disk_and_diverge() {
         let children: Vec<Sandbox> = fork
             .children
             .iter()
-            .map(|c| Sandbox { id: c.id.clone() })
+            .map(|c| Sandbox::adopt(engine(), c.id.clone()))
             .collect();
         assert_eq!(children.len(), 2);
         for child in &children {
@@ -182,7 +159,7 @@ fn fork_children_inherit_memory_and_disk_and_diverge() {
 #[test]
 fn exec_reports_codes_signals_timeouts_and_whole_output() {
     block_on(async {
-        let sandbox = Sandbox::create().await;
+        let sandbox = create().await;
         let agent = sandbox.agent().await;
         assert_eq!(run(&agent, "exit 3").await.status.code, Some(3));
         let killed = run(&agent, "kill -9 $$").await;
@@ -235,7 +212,7 @@ fn exec_reports_codes_signals_timeouts_and_whole_output() {
 #[test]
 fn files_move_in_and_out_and_bad_paths_are_clear_errors() {
     block_on(async {
-        let sandbox = Sandbox::create().await;
+        let sandbox = create().await;
         let agent = sandbox.agent().await;
         let data: Vec<u8> = (0..(8 << 20)).map(|i: u32| (i % 251) as u8).collect();
         let written = agent
@@ -299,7 +276,7 @@ fn files_move_in_and_out_and_bad_paths_are_clear_errors() {
 #[test]
 fn pause_resume_snapshot_hibernate_wake() {
     block_on(async {
-        let sandbox = Sandbox::create().await;
+        let sandbox = create().await;
         let agent = sandbox.agent().await;
         stdout(&agent, "echo kept > /root/state").await;
         engine().pause(&sandbox.id).await.unwrap();
@@ -317,7 +294,7 @@ fn pause_resume_snapshot_hibernate_wake() {
             .create_from_snapshot(&snapshot, None)
             .await
             .unwrap();
-        let restored = Sandbox { id: restored.id };
+        let restored = Sandbox::adopt(engine(), restored.id);
         let restored_agent = restored.agent().await;
         assert_eq!(stdout(&restored_agent, "cat /root/state").await, "kept");
         assert_eq!(stdout(&restored_agent, "hostname").await, restored.id);
@@ -446,7 +423,7 @@ fn fifty_create_delete_cycles_leave_nothing() {
 fn cpu_priority_moves_a_sandbox_and_back() {
     use shoal_engine::CpuPriority;
     block_on(async {
-        let sandbox = Sandbox::create().await;
+        let sandbox = create().await;
         let engine = engine();
         assert_eq!(
             engine.cpu_priority(&sandbox.id).unwrap(),
@@ -468,7 +445,7 @@ fn cpu_priority_moves_a_sandbox_and_back() {
             Some(CpuPriority::Normal)
         );
 
-        let other = Sandbox::create().await;
+        let other = create().await;
         engine
             .set_cpu_priority(&other.id, CpuPriority::Background)
             .unwrap();

@@ -14,7 +14,7 @@
 use shoal_engine::volume::VolumeAttachment;
 use shoal_engine::{CreateOptions, Engine, EngineError, VmState};
 use shoal_proto::client::{AgentClient, ExecOutput, ExecRequest};
-use shoal_testkit::{block_on, wait_until};
+use shoal_testkit::{block_on, wait_until, Sandbox};
 use std::ffi::CString;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -33,40 +33,8 @@ fn jail_root() -> PathBuf {
     shoal_engine::jail::JailConfig::default().root
 }
 
-/// A sandbox killed when the test ends, even by a failed assertion.
-struct Sandbox {
-    id: String,
-}
-
-impl Sandbox {
-    async fn create() -> Sandbox {
-        let info = engine().create(TEMPLATE, None).await.expect("create");
-        Sandbox { id: info.id }
-    }
-
-    async fn agent(&self) -> AgentClient {
-        engine().agent(&self.id).await.expect("agent")
-    }
-
-    async fn pid(&self) -> u32 {
-        engine()
-            .get(&self.id)
-            .await
-            .unwrap()
-            .pid
-            .expect("a live QEMU")
-    }
-}
-
-impl Drop for Sandbox {
-    fn drop(&mut self) {
-        let id = self.id.clone();
-        std::thread::spawn(move || {
-            let _ = shoal_testkit::runtime().block_on(engine().kill(&id));
-        })
-        .join()
-        .ok();
-    }
+async fn create() -> Sandbox {
+    Sandbox::create(engine(), TEMPLATE, CreateOptions::default()).await
 }
 
 async fn run(agent: &AgentClient, cmd: &str) -> ExecOutput {
@@ -161,8 +129,8 @@ fn can_open_as(pid: u32, root: &Path, path: &Path) -> bool {
 #[test]
 fn every_qemu_runs_jailed_in_a_cgroup_of_its_own() {
     block_on(async {
-        let a = Sandbox::create().await;
-        let b = Sandbox::create().await;
+        let a = create().await;
+        let b = create().await;
         let (pid_a, pid_b) = (a.pid().await, b.pid().await);
         let b_memory = engine().state_dir().join("vms").join(&b.id);
 
@@ -252,8 +220,8 @@ fn every_qemu_runs_jailed_in_a_cgroup_of_its_own() {
 #[test]
 fn a_guest_that_exceeds_its_memory_is_killed_alone() {
     block_on(async {
-        let greedy = Sandbox::create().await;
-        let neighbour = Sandbox::create().await;
+        let greedy = create().await;
+        let neighbour = create().await;
         let mut failures = engine().failures();
         let greedy_pid = greedy.pid().await;
         let agent = greedy.agent().await;
@@ -336,11 +304,7 @@ fn a_guest_that_stops_answering_costs_only_its_own_vm() {
             volumes: vec![volume_image("silent")],
             ..CreateOptions::default()
         };
-        let silent = engine()
-            .create_with(TEMPLATE, None, options)
-            .await
-            .expect("create with a volume");
-        let silent = Sandbox { id: silent.id };
+        let silent = Sandbox::create(engine(), TEMPLATE, options).await;
         // The guest stops answering: its QEMU is stopped, as a guest that
         // hangs (or an agent the tenant replaced with a silent one) looks
         // from the host. Nothing in it answers from now on.
@@ -368,7 +332,7 @@ fn a_guest_that_stops_answering_costs_only_its_own_vm() {
         );
 
         let started = std::time::Instant::now();
-        let beside = Sandbox::create().await;
+        let beside = create().await;
         let created = started.elapsed();
         let out = run(&beside.agent().await, "echo beside").await;
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "beside");
@@ -402,7 +366,7 @@ fn a_guest_that_stops_answering_costs_only_its_own_vm() {
 #[test]
 fn a_guest_cannot_grow_its_console_log_past_the_cap() {
     block_on(async {
-        let chatty = Sandbox::create().await;
+        let chatty = create().await;
         let log = engine().console_log(&chatty.id).unwrap();
         // 3 MiB through the serial console, more than the cap.
         let out = run(

@@ -8,7 +8,7 @@
 
 use shoal_engine::{CreateOptions, Engine, EngineConfig};
 use shoal_proto::client::{AgentClient, ExecRequest};
-use shoal_testkit::{block_on, wait_until};
+use shoal_testkit::{block_on, wait_until, Sandbox};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::process::Command;
@@ -175,48 +175,16 @@ async fn guest_connect(agent: &AgentClient, host: &str, port: u16) -> (i32, Stri
     .await
 }
 
-struct Sandbox {
-    id: String,
+async fn create_sandbox(allow_internet: bool) -> Sandbox {
+    create_sandbox_from(TEMPLATE, allow_internet).await
 }
 
-impl Sandbox {
-    async fn create(allow_internet: bool) -> Sandbox {
-        Sandbox::create_from(TEMPLATE, allow_internet).await
-    }
-
-    async fn create_from(template: &str, allow_internet: bool) -> Sandbox {
-        let info = engine()
-            .create_with(
-                template,
-                None,
-                CreateOptions {
-                    allow_internet,
-                    ..CreateOptions::default()
-                },
-            )
-            .await
-            .expect("create");
-        Sandbox { id: info.id }
-    }
-
-    async fn agent(&self) -> AgentClient {
-        engine().agent(&self.id).await.expect("agent")
-    }
-
-    async fn pid(&self) -> u32 {
-        engine().get(&self.id).await.unwrap().pid.unwrap()
-    }
-}
-
-impl Drop for Sandbox {
-    fn drop(&mut self) {
-        let id = self.id.clone();
-        std::thread::spawn(move || {
-            let _ = shoal_testkit::runtime().block_on(engine().kill(&id));
-        })
-        .join()
-        .ok();
-    }
+async fn create_sandbox_from(template: &str, allow_internet: bool) -> Sandbox {
+    let options = CreateOptions {
+        allow_internet,
+        ..CreateOptions::default()
+    };
+    Sandbox::create(engine(), template, options).await
 }
 
 fn netns_of(pid: u32) -> std::path::PathBuf {
@@ -226,8 +194,8 @@ fn netns_of(pid: u32) -> std::path::PathBuf {
 #[test]
 fn each_sandbox_has_its_own_namespace_and_the_same_guest_address() {
     block_on(async {
-        let a = Sandbox::create(true).await;
-        let b = Sandbox::create(true).await;
+        let a = create_sandbox(true).await;
+        let b = create_sandbox(true).await;
         let (na, nb) = (netns_of(a.pid().await), netns_of(b.pid().await));
         let own = netns_of(std::process::id());
         assert_ne!(na, nb);
@@ -250,13 +218,13 @@ fn each_sandbox_has_its_own_namespace_and_the_same_guest_address() {
 fn egress_reaches_the_outside_only_when_allowed() {
     outside();
     block_on(async {
-        let open = Sandbox::create(true).await;
+        let open = create_sandbox(true).await;
         let (code, out) = guest_connect(&open.agent().await, OUTSIDE_IP, OUTSIDE_PORT).await;
         assert_eq!(code, 0, "{out}");
         // Masqueraded twice: the outside sees the host's address on its link.
         assert_eq!(out, format!("outside {OUTSIDE_HOST_IP}"));
 
-        let closed = Sandbox::create(false).await;
+        let closed = create_sandbox(false).await;
         let (code, out) = guest_connect(&closed.agent().await, OUTSIDE_IP, OUTSIDE_PORT).await;
         assert_ne!(
             code, 0,
@@ -265,9 +233,7 @@ fn egress_reaches_the_outside_only_when_allowed() {
 
         // A fork child keeps its parent's choice, in a namespace of its own.
         let fork = engine().fork(&closed.id, 1).await.expect("fork");
-        let child = Sandbox {
-            id: fork.children[0].id.clone(),
-        };
+        let child = Sandbox::adopt(engine(), fork.children[0].id.clone());
         assert!(!fork.children[0].allow_internet);
         assert_ne!(netns_of(child.pid().await), netns_of(closed.pid().await));
         let (code, _) = guest_connect(&child.agent().await, OUTSIDE_IP, OUTSIDE_PORT).await;
@@ -280,7 +246,7 @@ fn guests_resolve_names_through_the_host_s_resolver_only_with_egress() {
     outside();
     block_on(async {
         let expected = RESOLVED_IP.map(|o| o.to_string()).join(".");
-        let open = Sandbox::create(true).await;
+        let open = create_sandbox(true).await;
         let agent = open.agent().await;
         let (code, conf) = sh(&agent, "cat /etc/resolv.conf").await;
         assert_eq!(code, 0, "{conf}");
@@ -292,7 +258,7 @@ fn guests_resolve_names_through_the_host_s_resolver_only_with_egress() {
         let (code, out) = guest_connect(&agent, RESOLVER_IP, OUTSIDE_PORT).await;
         assert_ne!(code, 0, "reached {RESOLVER_IP}:{OUTSIDE_PORT}: {out}");
 
-        let closed = Sandbox::create(false).await;
+        let closed = create_sandbox(false).await;
         let (code, out) = sh(
             &closed.agent().await,
             "getent ahostsv4 files-know-nothing.example",
@@ -321,7 +287,7 @@ fn sandboxes_reach_neither_each_other_nor_the_host() {
         probe.read_to_string(&mut line).ok();
         assert_eq!(line, "host\n");
 
-        let server = Sandbox::create(true).await;
+        let server = create_sandbox(true).await;
         let server_agent = server.agent().await;
         let (code, out) = sh(
             &server_agent,
@@ -340,7 +306,7 @@ fn sandboxes_reach_neither_each_other_nor_the_host() {
             (server_index % 64) * 4 + 2
         );
 
-        let client = Sandbox::create(true).await;
+        let client = create_sandbox(true).await;
         let agent = client.agent().await;
         let veth = engine().get(&client.id).await.unwrap().host_veth.unwrap();
         let index: u32 = veth.trim_start_matches("shoalh").parse().unwrap();
@@ -362,7 +328,7 @@ fn sandboxes_reach_neither_each_other_nor_the_host() {
 #[test]
 fn a_guest_service_is_reached_from_its_namespace() {
     block_on(async {
-        let sandbox = Sandbox::create_from(FULL_PYTHON, false).await;
+        let sandbox = create_sandbox_from(FULL_PYTHON, false).await;
         let agent = sandbox.agent().await;
         let (code, out) = sh(
             &agent,
@@ -406,7 +372,7 @@ fn a_guest_service_is_reached_from_its_namespace() {
 #[test]
 fn a_killed_sandbox_leaves_no_network_behind() {
     block_on(async {
-        let sandbox = Sandbox::create(true).await;
+        let sandbox = create_sandbox(true).await;
         let veth = engine().get(&sandbox.id).await.unwrap().host_veth.unwrap();
         assert!(shoal_engine::net::shoal_veths().contains(&veth));
         engine().kill(&sandbox.id).await.unwrap();
@@ -780,8 +746,8 @@ fn the_reachability_table() {
             "port 5432 is taken but does not answer"
         );
 
-        let open = Sandbox::create(true).await;
-        let closed = Sandbox::create(false).await;
+        let open = create_sandbox(true).await;
+        let closed = create_sandbox(false).await;
         struct Slot {
             pid: u32,
             index: u32,

@@ -12,10 +12,12 @@
 mod api;
 mod local_agent;
 pub mod process;
+mod sandbox;
 
 pub use api::{Answer, ApiClient};
 pub use local_agent::LocalAgent;
 pub use process::{alive, free_port, signal_pid, Process, ShoalUp, UpConfig, SIGKILL, SIGTERM};
+pub use sandbox::Sandbox;
 
 use shoal_engine::{Engine, EngineConfig};
 use std::path::{Path, PathBuf};
