@@ -29,6 +29,7 @@
 
 mod accounts;
 mod apps;
+mod host_credentials;
 mod hosts;
 mod migrate;
 mod model;
@@ -49,6 +50,7 @@ use sqlx::sqlite::{
 };
 
 pub use accounts::{bearer_token, token_hash};
+pub use host_credentials::JoinRefusal;
 pub use hosts::PLACEMENT_TIMEOUT_SECONDS;
 pub use model::*;
 pub use sweeps::{measure_claims, ClaimRate};

@@ -59,6 +59,11 @@ const SQLITE: &[Embedded] = &[
         "status reason",
         include_str!("../migrations/sqlite/0007_status_reason.sql"),
     ),
+    (
+        8,
+        "host credentials",
+        include_str!("../migrations/sqlite/0008_host_credentials.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -96,6 +101,11 @@ const POSTGRES: &[Embedded] = &[
         7,
         "status reason",
         include_str!("../migrations/postgres/0007_status_reason.sql"),
+    ),
+    (
+        8,
+        "host credentials",
+        include_str!("../migrations/postgres/0008_host_credentials.sql"),
     ),
 ];
 

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use common::Db;
 use shoal_store::{
-    HostReport, NewPlacement, NewSandbox, SandboxPatch, Tier, TierLimits, PLACEMENT_TIMEOUT_SECONDS,
+    HostReport, JoinRefusal, NewPlacement, NewSandbox, SandboxPatch, Tier, TierLimits,
+    PLACEMENT_TIMEOUT_SECONDS,
 };
 
 const T0: f64 = 1_800_000_000.0;
@@ -18,6 +19,8 @@ cases!(
     dropped_and_abandoned_placements_stop_counting,
     only_stale_hosts_lose_their_sandboxes,
     two_fronts_placing_at_once_never_overfill_a_host,
+    a_join_token_is_spent_once_and_a_credential_speaks_for_its_host,
+    a_live_name_cannot_be_joined_again_and_revoking_loses_sandboxes,
 );
 
 fn report(id: &str) -> HostReport {
@@ -254,4 +257,142 @@ async fn two_fronts_placing_at_once_never_overfill_a_host(db: Arc<Db>) {
     assert_eq!((placed, refused), (10, 30));
     let hosts = db.store.hosts(T0 + 1.0).await.unwrap();
     assert_eq!(hosts[0].in_flight_sandboxes, 10);
+}
+
+async fn a_join_token_is_spent_once_and_a_credential_speaks_for_its_host(db: Arc<Db>) {
+    let store = &db.store;
+    let token = store.create_join_token(T0, 3600.0).await.unwrap();
+    assert!(token.starts_with("sj_"));
+    let secret = store
+        .join_host(&token, "a", T0, T0 - 30.0)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(secret.starts_with("sh_"));
+    assert_eq!(
+        store.host_of_secret(&secret).await.unwrap().as_deref(),
+        Some("a")
+    );
+    assert_eq!(store.host_of_secret("sh_forged").await.unwrap(), None);
+    assert_eq!(
+        store.host_of_secret(&token).await.unwrap(),
+        None,
+        "a join token is no credential"
+    );
+    // Spent: not again, for any name.
+    assert_eq!(
+        store.join_host(&token, "b", T0, T0 - 30.0).await.unwrap(),
+        Err(JoinRefusal::BadToken)
+    );
+    assert_eq!(
+        store
+            .join_host("sj_unknown", "b", T0, T0 - 30.0)
+            .await
+            .unwrap(),
+        Err(JoinRefusal::BadToken)
+    );
+    // Expired.
+    let old = store.create_join_token(T0, 60.0).await.unwrap();
+    assert_eq!(
+        store
+            .join_host(&old, "b", T0 + 61.0, T0 + 31.0)
+            .await
+            .unwrap(),
+        Err(JoinRefusal::BadToken)
+    );
+}
+
+async fn a_live_name_cannot_be_joined_again_and_revoking_loses_sandboxes(db: Arc<Db>) {
+    let store = &db.store;
+    let first = store.create_join_token(T0, 3600.0).await.unwrap();
+    let secret = store
+        .join_host(&first, "a", T0, T0 - 30.0)
+        .await
+        .unwrap()
+        .unwrap();
+    store.report_host(&report("a"), T0 + 1.0).await.unwrap();
+    // A second agent under the live name is refused, and its token stays good.
+    let second = store.create_join_token(T0, 3600.0).await.unwrap();
+    assert_eq!(
+        store
+            .join_host(&second, "a", T0 + 2.0, T0 + 2.0 - 30.0)
+            .await
+            .unwrap(),
+        Err(JoinRefusal::NameLive)
+    );
+    let other = store
+        .join_host(&second, "b", T0 + 2.0, T0 + 2.0 - 30.0)
+        .await
+        .unwrap();
+    assert!(other.is_ok(), "{other:?}");
+
+    let account_token = store.create_token("revoked", Tier::Team).await.unwrap();
+    let account = store.authenticate(&account_token).await.unwrap().unwrap();
+    let limits = TierLimits {
+        concurrent: 100,
+        creates_per_hour: 100,
+    };
+    let new = NewSandbox {
+        id: "sb-on-a".into(),
+        template: "base".into(),
+        cpu: 2,
+        memory_mb: 512,
+        metadata: BTreeMap::new(),
+        ttl_seconds: 300,
+        persistent: false,
+        max_lifetime_seconds: None,
+        from_snapshot: None,
+        parent_id: None,
+        tree_id: None,
+        host: Some("a".into()),
+    };
+    store
+        .admit_sandbox(&account, &new, &limits, T0)
+        .await
+        .unwrap();
+
+    let lost = store.revoke_host("a", T0 + 3.0).await.unwrap();
+    assert_eq!(lost, Some(vec!["sb-on-a".to_string()]));
+    assert_eq!(
+        store
+            .sandbox_by_id("sb-on-a")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        "lost"
+    );
+    assert_eq!(
+        store.host_of_secret(&secret).await.unwrap(),
+        None,
+        "revoked"
+    );
+    let a = store
+        .hosts(T0 + 3.0)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|h| h.report.id == "a")
+        .unwrap();
+    assert!(
+        !a.is_fresh(T0 + 3.0, 30.0),
+        "a revoked host is stale at once"
+    );
+    assert_eq!(
+        store.revoke_host("a", T0 + 4.0).await.unwrap(),
+        None,
+        "once"
+    );
+    // A new join token brings the name back with a new credential.
+    let again = store.create_join_token(T0, 3600.0).await.unwrap();
+    let renewed = store
+        .join_host(&again, "a", T0 + 5.0, T0 + 5.0 - 30.0)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(renewed, secret);
+    assert_eq!(
+        store.host_of_secret(&renewed).await.unwrap().as_deref(),
+        Some("a")
+    );
 }
