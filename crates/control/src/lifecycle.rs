@@ -1,6 +1,9 @@
 //! What the control plane does on its own: remembers activity, reaps idle
 //! and over-age sandboxes, meters the ones it runs, and records the ones
 //! whose VM died on its own (killed for memory) as `failed` with the reason.
+//! It also kills the VMs this host still runs for rows it no longer owns
+//! (`lost` while the host was silent, deleted or failed elsewhere, or moved
+//! to another host), so a sandbox the fleet gave up on never runs twice.
 //!
 //! Activity is noted in memory on every request and written to the
 //! database every few seconds (a restart loses at most that much); an exec
@@ -59,6 +62,63 @@ impl ControlPlane {
         row.host.as_deref() == Some(self.config.host_name.as_str())
     }
 
+    /// Kills every VM of this host whose sandbox row is no longer live
+    /// here: `lost` (a front marked it while this host was silent), deleted
+    /// or failed (e.g. deleted through another agent while this host was
+    /// partitioned), or naming another host. Such a VM would otherwise keep
+    /// its memory, CPU and network slot and could keep doing work (a sweep
+    /// cell) the fleet already gave up on and may have run elsewhere.
+    ///
+    /// Races: the engine's VMs are listed *before* the rows are read. Every
+    /// path that makes a VM (create and fork in `sandboxes.rs`, sweep cells
+    /// and fork parents in `runner.rs`, app deploys in `apps.rs`) admits its
+    /// row, with this host's name, before it asks the engine, so the row of
+    /// any listed VM is already committed when it is read. A VM with no row
+    /// at all is therefore not one mid-create; it is left alone anyway (a
+    /// VM adopted from a state directory whose database was replaced is not
+    /// this loop's to judge). A row marked `lost` after it was read is seen
+    /// on the next tick. A delete kills before it writes `deleted`, and
+    /// failure paths write `failed` and then kill: racing them is harmless,
+    /// as only one kill finds the VM (the other is a no-op). Nothing here
+    /// holds a lock across a guest call.
+    async fn kill_strays(&self) {
+        let vms = self.host.engine().list().await;
+        if vms.is_empty() {
+            return;
+        }
+        let live: HashMap<String, SandboxRow> = match self.store.list_all_live().await {
+            Ok(rows) => rows.into_iter().map(|r| (r.id.clone(), r)).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "listing sandboxes to find stray VMs");
+                return;
+            }
+        };
+        for vm in vms {
+            let row = match live.get(&vm.id) {
+                Some(row) => Some(row.clone()),
+                // Not live: deleted, failed, or no row at all.
+                None => match self.store.sandbox_by_id(&vm.id).await {
+                    Ok(row) => row,
+                    Err(e) => {
+                        tracing::warn!(id = vm.id, error = %e, "reading a VM's sandbox");
+                        continue;
+                    }
+                },
+            };
+            let Some(why) = stray_reason(row.as_ref(), &self.config.host_name) else {
+                continue;
+            };
+            tracing::warn!(
+                id = vm.id,
+                why,
+                "killing a VM whose sandbox this host no longer owns"
+            );
+            if let Err(e) = self.host.kill(&vm.id).await {
+                tracing::warn!(id = vm.id, error = %e, "killing a stray VM");
+            }
+        }
+    }
+
     async fn reap(&self) {
         self.flush_activity().await;
         let candidates = match self.store.reap_candidates(now()).await {
@@ -74,6 +134,28 @@ impl ControlPlane {
                 tracing::warn!(id = row.id, error = e.message, "reaping");
             }
         }
+    }
+}
+
+/// The status the fleet's front gives the sandboxes of a host silent too
+/// long (`Store::lose_sandboxes_of_stale_hosts`).
+const LOST: &str = "lost";
+
+/// Why the VM of a sandbox whose row is `row` must not run on `host`, if it
+/// must not. A missing row is no reason (see [`ControlPlane::kill_strays`]);
+/// nor is a row without a host (single-host rows from before hosts were
+/// recorded).
+fn stray_reason(row: Option<&SandboxRow>, host: &str) -> Option<String> {
+    let row = row?;
+    match row.status.as_str() {
+        status::DELETED => return Some("its sandbox is deleted".into()),
+        status::FAILED => return Some("its sandbox has failed".into()),
+        LOST => return Some("its sandbox was marked lost while this host was silent".into()),
+        _ => {}
+    }
+    match row.host.as_deref() {
+        Some(other) if other != host => Some(format!("its sandbox belongs to host {other}")),
+        _ => None,
     }
 }
 
@@ -157,9 +239,13 @@ impl Meter {
     }
 }
 
-/// After a restart: no exec is running any more, and sandboxes whose VM did
-/// not survive (only hibernated ones do) are recorded deleted.
+/// After a restart: VMs that survived (only hibernated ones do) but whose
+/// rows this host no longer owns are killed, no exec is running any more,
+/// and sandboxes whose VM did not survive are recorded deleted.
 pub async fn reconcile(cp: &ControlPlane) -> ApiResult<()> {
+    // First, so a `lost` row's VM is gone before the loop below would
+    // write the VM's state over `lost`.
+    cp.kill_strays().await;
     cp.store.clear_running_execs(&cp.config.host_name).await?;
     for row in cp.store.list_all_live().await? {
         // A row without a host is from before hosts were recorded at
@@ -168,7 +254,17 @@ pub async fn reconcile(cp: &ControlPlane) -> ApiResult<()> {
             continue;
         }
         match cp.host.engine().get(&row.id).await {
-            Ok(info) => cp.set_status(&row.id, info.state.as_str()).await?,
+            // A `lost` row whose VM could not be killed stays `lost`; and
+            // a row marked `lost` since it was read keeps that mark.
+            Ok(_) if row.status == LOST => {}
+            Ok(info) => {
+                let patch = SandboxPatch {
+                    status: Some(info.state.as_str().into()),
+                    if_status: Some(row.status.clone()),
+                    ..SandboxPatch::default()
+                };
+                cp.store.update_sandbox(&row.id, patch).await?;
+            }
             Err(_) => {
                 tracing::info!(id = row.id, "sandbox did not survive the restart");
                 let patch = SandboxPatch {
@@ -293,6 +389,7 @@ pub fn spawn(cp: Arc<ControlPlane>) {
         let mut tick = tokio::time::interval(config.reap_interval);
         loop {
             tick.tick().await;
+            reaper.kill_strays().await;
             reaper.reap().await;
         }
     });
@@ -311,4 +408,53 @@ pub fn spawn(cp: Arc<ControlPlane>) {
             cp.flush_activity().await;
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(status: &str, host: Option<&str>) -> SandboxRow {
+        SandboxRow {
+            id: "sb-1".into(),
+            account_id: 1,
+            template: "code-interpreter".into(),
+            cpu: 1,
+            memory_mb: 512,
+            metadata: Default::default(),
+            ttl_seconds: 300,
+            persistent: false,
+            max_lifetime_seconds: None,
+            from_snapshot: None,
+            parent_id: None,
+            tree_id: None,
+            status: status.into(),
+            host: host.map(str::to_owned),
+            guest_ip: None,
+            created_at: 0.0,
+            last_activity_at: 0.0,
+            running_execs: 0,
+            boot_ms: None,
+            boot_mode: None,
+            deleted_at: None,
+            status_reason: None,
+        }
+    }
+
+    #[test]
+    fn strays_are_vms_of_rows_not_live_here() {
+        let here = Some("a");
+        for status in ["creating", "running", "paused", "hibernated"] {
+            assert_eq!(stray_reason(Some(&row(status, here)), "a"), None);
+            // Single-host rows from before hosts were recorded.
+            assert_eq!(stray_reason(Some(&row(status, None)), "a"), None);
+            assert!(stray_reason(Some(&row(status, Some("b"))), "a").is_some());
+        }
+        for status in [status::DELETED, status::FAILED, LOST] {
+            assert!(stray_reason(Some(&row(status, here)), "a").is_some());
+            assert!(stray_reason(Some(&row(status, None)), "a").is_some());
+        }
+        // A VM without a row is left alone.
+        assert_eq!(stray_reason(None, "a"), None);
+    }
 }
