@@ -82,9 +82,13 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    axum::serve(listener, shoal_fleet::front::router(front))
-        .with_graceful_shutdown(crate::up::shutdown_signal())
-        .await?;
+    axum::serve(
+        listener,
+        shoal_fleet::front::router(front)
+            .into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(crate::up::shutdown_signal())
+    .await?;
     crate::up::close_store(store).await;
     Ok(())
 }

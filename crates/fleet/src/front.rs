@@ -30,6 +30,7 @@
 //! - anything else (`/v1/me`, lists, usage, sweeps, templates): forward to
 //!   any live agent; they all read the same database.
 
+use crate::limits::{self, AccountRates, FailedAuths, FrontLimits};
 use crate::{fleet_token_matches, FleetConfig, HEARTBEAT_INTERVAL, STALE_AFTER};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
@@ -78,6 +79,10 @@ pub struct Front {
     placing: tokio::sync::Mutex<()>,
     routing: Mutex<Option<(Instant, Arc<Vec<HostRow>>)>>,
     next_any: AtomicUsize,
+    /// Invalid tokens per source address (`limits`).
+    failed_auths: FailedAuths,
+    /// Each account's request rate (`limits`).
+    account_rates: AccountRates,
 }
 
 fn now() -> f64 {
@@ -193,7 +198,18 @@ impl Front {
             placing: tokio::sync::Mutex::new(()),
             routing: Mutex::new(None),
             next_any: AtomicUsize::new(0),
+            failed_auths: FailedAuths::new(&FrontLimits::default()),
+            account_rates: AccountRates::new(&FrontLimits::default()),
         })
+    }
+
+    /// A front with other limits on tenants than [`FrontLimits::default`].
+    pub fn with_limits(store: Store, config: FrontConfig, limits: FrontLimits) -> Arc<Front> {
+        let mut front = Front::new(store, config);
+        let new = Arc::get_mut(&mut front).expect("a new front is not shared yet");
+        new.failed_auths = FailedAuths::new(&limits);
+        new.account_rates = AccountRates::new(&limits);
+        front
     }
 
     /// Marks the sandboxes of stale hosts `lost`, every `lost_check`.
@@ -223,28 +239,58 @@ impl Front {
         });
     }
 
-    async fn caller(&self, headers: &HeaderMap) -> Result<Account, Response> {
-        let token = headers
-            .get(header::AUTHORIZATION)
+    /// The account whose bearer token came with the request, before its
+    /// body is read: 429 for an address past the failed-authentication
+    /// limit (before the token is looked at), 401 for a missing or invalid
+    /// token (an invalid one counts against the source address), 429 for
+    /// an account past its request rate.
+    async fn caller(&self, parts: &axum::http::request::Parts) -> Result<Account, Response> {
+        let source = limits::source(&parts.extensions);
+        if let Some(wait) = source.and_then(|ip| self.failed_auths.blocked(ip, Instant::now())) {
+            return Err(limits::address_refused(wait));
+        }
+        let presented = parts.headers.get(header::AUTHORIZATION);
+        let Some(token) = presented
             .and_then(|v| v.to_str().ok())
             .and_then(shoal_store::bearer_token)
-            .ok_or_else(unauthorized)?;
-        let key = shoal_store::token_hash(token);
-        if let Some((account, at)) = self.tokens.lock().unwrap().get(&key) {
-            if at.elapsed() < TOKEN_CACHE_TTL {
-                return Ok(account.clone());
+        else {
+            if let (Some(ip), Some(_)) = (source, presented) {
+                self.failed_auths.failed(ip, Instant::now());
             }
-        }
-        let account = self
-            .store
-            .authenticate(token)
-            .await
-            .map_err(database_error)?
-            .ok_or_else(unauthorized)?;
-        self.tokens
+            return Err(unauthorized());
+        };
+        let key = shoal_store::token_hash(token);
+        let cached = self
+            .tokens
             .lock()
             .unwrap()
-            .insert(key, (account.clone(), Instant::now()));
+            .get(&key)
+            .filter(|(_, at)| at.elapsed() < TOKEN_CACHE_TTL)
+            .map(|(account, _)| account.clone());
+        let account = match cached {
+            Some(account) => account,
+            None => {
+                let Some(account) = self
+                    .store
+                    .authenticate(token)
+                    .await
+                    .map_err(database_error)?
+                else {
+                    if let Some(ip) = source {
+                        self.failed_auths.failed(ip, Instant::now());
+                    }
+                    return Err(unauthorized());
+                };
+                self.tokens
+                    .lock()
+                    .unwrap()
+                    .insert(key, (account.clone(), Instant::now()));
+                account
+            }
+        };
+        self.account_rates
+            .take(&account, Instant::now())
+            .map_err(limits::account_refused)?;
         Ok(account)
     }
 
@@ -521,17 +567,17 @@ async fn hosts(State(front): St, headers: HeaderMap) -> Response {
     }
 }
 
-async fn create(
-    State(front): St,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let account = match front.caller(&headers).await {
+async fn create(State(front): St, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts).await {
         Ok(account) => account,
         Err(response) => return response,
     };
+    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
     let pinned = match front.volume_pin(&account, &body).await {
         Ok(pinned) => pinned,
         Err(response) => return response,
@@ -567,7 +613,7 @@ async fn about_sandbox(
     request: Request,
 ) -> Response {
     let (parts, body) = request.into_parts();
-    let account = match front.caller(&parts.headers).await {
+    let account = match front.caller(&parts).await {
         Ok(account) => account,
         Err(response) => return response,
     };
@@ -588,7 +634,7 @@ async fn about_sandbox(
 /// host is stale, deleting it is 503 `sandbox host unavailable`.
 async fn about_snapshot(State(front): St, Path(id): Path<String>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let account = match front.caller(&parts.headers).await {
+    let account = match front.caller(&parts).await {
         Ok(account) => account,
         Err(response) => return response,
     };
@@ -611,7 +657,7 @@ async fn about_app(
     request: Request,
 ) -> Response {
     let (parts, body) = request.into_parts();
-    let account = match front.caller(&parts.headers).await {
+    let account = match front.caller(&parts).await {
         Ok(account) => account,
         Err(response) => return response,
     };
@@ -699,16 +745,16 @@ fn volume_names(body: &[u8]) -> Vec<String> {
         .unwrap_or_default()
 }
 
-async fn create_volume(
-    State(front): St,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Err(response) = front.caller(&headers).await {
+async fn create_volume(State(front): St, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    if let Err(response) = front.caller(&parts).await {
         return response;
     }
+    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
     let url = match front.place_volume().await {
         Ok(url) => url,
         Err(response) => return response,
@@ -727,18 +773,17 @@ async fn create_volume(
 
 /// A request about one volume: to its host, which holds the image; a read
 /// works from any agent when that host is stale.
-async fn about_volume(
-    State(front): St,
-    Path(name): Path<String>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let account = match front.caller(&headers).await {
+async fn about_volume(State(front): St, Path(name): Path<String>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts).await {
         Ok(account) => account,
         Err(response) => return response,
     };
+    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
     let volume = match front.store.get_volume(account.id, &name).await {
         Ok(Some(volume)) => volume,
         Ok(None) => {
@@ -772,12 +817,19 @@ async fn about_volume(
     }
 }
 
-/// Routes that are not about one sandbox: any agent answers.
+/// Routes that are not about one sandbox: any agent answers, once the
+/// caller is known (the routes agents serve without a token, `limits::is_open`,
+/// go without one); the body is held up to `limits::FORWARDED_BODY_MAX`.
 async fn elsewhere(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let body = match axum::body::to_bytes(body, 64 << 20).await {
+    if !limits::is_open(parts.uri.path()) {
+        if let Err(response) = front.caller(&parts).await {
+            return response;
+        }
+    }
+    let body = match limits::read_bounded(&parts.headers, body, limits::FORWARDED_BODY_MAX).await {
         Ok(body) => body,
-        Err(_) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, "body too large", None),
+        Err(response) => return response,
     };
     front
         .forward_to_any(parts.method, &parts.uri, &parts.headers, body)

@@ -19,6 +19,7 @@
 //! (only through [`shoal_store::Store`]).
 
 pub mod front;
+pub mod limits;
 pub mod report;
 
 use std::time::Duration;
