@@ -24,6 +24,12 @@ pub struct FleetBenchArgs {
     /// One agent's own address: the single-host baseline.
     #[arg(long)]
     agent_url: String,
+    /// That agent's host name, and the fronts' secret: the bench speaks to
+    /// the agent as a front does (agents answer nothing else).
+    #[arg(long)]
+    agent_name: String,
+    #[arg(long, env = "SHOAL_FLEET_TOKEN")]
+    fleet_token: String,
     /// An API token (a team account, so quotas do not cut the run).
     #[arg(long, env = "PANDASTACK_API_KEY")]
     token: String,
@@ -54,14 +60,28 @@ struct Api {
     http: reqwest::Client,
     auth: String,
     template: String,
+    /// The agent's address and the front key it wants.
+    agent: (String, String),
 }
 
 impl Api {
+    /// A request as a client sends it to the front, or as a front sends it
+    /// to the agent.
+    fn request(&self, method: reqwest::Method, base: &str, path: &str) -> reqwest::RequestBuilder {
+        let request = self
+            .http
+            .request(method, format!("{base}{path}"))
+            .header("Authorization", &self.auth);
+        if base == self.agent.0 {
+            request.header(shoal_fleet::FRONT_KEY_HEADER, &self.agent.1)
+        } else {
+            request
+        }
+    }
+
     async fn create(&self, base: &str) -> Result<String> {
         let response = self
-            .http
-            .post(format!("{base}/v1/sandboxes"))
-            .header("Authorization", &self.auth)
+            .request(reqwest::Method::POST, base, "/v1/sandboxes")
             .json(&json!({ "template": self.template }))
             .send()
             .await?;
@@ -73,9 +93,11 @@ impl Api {
 
     async fn delete(&self, base: &str, id: &str) -> Result<()> {
         let status = self
-            .http
-            .delete(format!("{base}/v1/sandboxes/{id}"))
-            .header("Authorization", &self.auth)
+            .request(
+                reqwest::Method::DELETE,
+                base,
+                &format!("/v1/sandboxes/{id}"),
+            )
             .send()
             .await?
             .status();
@@ -118,9 +140,13 @@ pub async fn fleet(args: FleetBenchArgs) -> Result<()> {
         http: reqwest::Client::builder().tcp_nodelay(true).build()?,
         auth: format!("Bearer {}", args.token),
         template: args.template.clone(),
+        agent: (
+            args.agent_url.trim_end_matches('/').to_owned(),
+            shoal_fleet::front_key(&args.fleet_token, &args.agent_name),
+        ),
     };
     let front = args.url.trim_end_matches('/');
-    let agent = args.agent_url.trim_end_matches('/');
+    let agent = api.agent.0.as_str();
 
     // Interleaved in rounds, so neither path has the quieter machine.
     let mut through_front = Vec::new();
@@ -176,6 +202,7 @@ async fn placement_rate(store: &Store, seconds: u64) -> Result<f64> {
     let front = Front::new(
         store.clone(),
         FrontConfig {
+            agent_ca: None,
             fleet_token: String::new(),
             database_url: String::new(),
             lost_check: Duration::from_secs(3600),
@@ -186,7 +213,7 @@ async fn placement_rate(store: &Store, seconds: u64) -> Result<f64> {
     let mut decisions = 0u64;
     while Instant::now() < deadline {
         let start = Instant::now();
-        let (_, placement) = front
+        let (_, _, placement) = front
             .place(None)
             .await
             .map_err(|r| anyhow::anyhow!("placement refused: {}", r.status()))?;

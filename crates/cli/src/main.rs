@@ -120,6 +120,11 @@ enum Command {
     Server(fleet::ServerArgs),
     /// Run one host of a fleet, reporting to a front.
     Agent(fleet::AgentArgs),
+    /// A fleet's hosts: join tokens and revocation.
+    Host {
+        #[command(subcommand)]
+        command: HostCommand,
+    },
     /// API tokens.
     Token {
         #[command(subcommand)]
@@ -161,6 +166,14 @@ enum TemplateCommand {
         #[command(flatten)]
         engine: EngineArgs,
     },
+}
+
+#[derive(Subcommand)]
+enum HostCommand {
+    /// Print a one-time token a new host joins the fleet with.
+    JoinToken(fleet::JoinTokenArgs),
+    /// Cut a host off: its credential stops working and its sandboxes are lost.
+    Revoke(fleet::RevokeArgs),
 }
 
 #[derive(Subcommand)]
@@ -343,6 +356,18 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         }
         Command::Agent(args) => {
             fleet::agent(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Host {
+            command: HostCommand::JoinToken(args),
+        } => {
+            fleet::join_token(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Host {
+            command: HostCommand::Revoke(args),
+        } => {
+            fleet::revoke(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Token {

@@ -16,7 +16,89 @@ pub struct UpArgs {
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
     #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
     database: DatabaseArgs,
+}
+
+/// How a server speaks to the network (`up`, `server`, `agent`).
+#[derive(clap::Args)]
+pub struct TlsArgs {
+    /// Serve HTTPS with this certificate chain (PEM); with --tls-key.
+    #[arg(long, env = "SHOAL_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, env = "SHOAL_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Serve plain HTTP on an address that is not loopback (refused
+    /// otherwise: tokens would cross the network in the clear).
+    #[arg(long)]
+    pub plain_http: bool,
+}
+
+impl TlsArgs {
+    /// The HTTPS configuration for `listen`, or `None` for plain HTTP where
+    /// that is allowed.
+    pub async fn server_config(
+        &self,
+        listen: std::net::SocketAddr,
+    ) -> Result<Option<axum_server::tls_rustls::RustlsConfig>> {
+        let tls =
+            shoal_fleet::tls::ServerTls::from_flags(self.tls_cert.clone(), self.tls_key.clone())
+                .map_err(anyhow::Error::msg)?;
+        shoal_fleet::tls::check_plain_http(listen, tls.as_ref(), self.plain_http)?;
+        Ok(match tls {
+            Some(tls) => Some(tls.config().await?),
+            None => None,
+        })
+    }
+}
+
+/// `https` when serving TLS, else `http`.
+pub fn scheme(tls: &Option<axum_server::tls_rustls::RustlsConfig>) -> &'static str {
+    if tls.is_some() {
+        "https"
+    } else {
+        "http"
+    }
+}
+
+/// Serves `router` on `listener` until SIGTERM or Ctrl-C, over HTTPS when
+/// `tls` is given; handlers may read the peer's address (`ConnectInfo`).
+pub async fn serve_router(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    tls: Option<axum_server::tls_rustls::RustlsConfig>,
+) -> Result<()> {
+    use std::net::SocketAddr;
+    match tls {
+        None => {
+            // Answers are small and written whole: no reason to let Nagle
+            // hold them.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            axum::serve(
+                listener,
+                router.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(shutdown_signal())
+            .await?;
+        }
+        Some(config) => {
+            let handle = axum_server::Handle::new();
+            let stopping = handle.clone();
+            tokio::spawn(async move {
+                shutdown_signal().await;
+                stopping.graceful_shutdown(Some(std::time::Duration::from_secs(10)));
+            });
+            axum_server::from_tcp_rustls(listener.into_std()?, config)
+                .handle(handle)
+                .serve(router.into_make_service_with_connect_info::<SocketAddr>())
+                .await?;
+        }
+    }
+    Ok(())
 }
 
 /// How a host runs its sandboxes (`shoal up` and `shoal agent`).
@@ -103,14 +185,18 @@ pub async fn up(args: UpArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
+    let tls = args.tls.server_config(listener.local_addr()?).await?;
+    let scheme = scheme(&tls);
     serve_host(HostServe {
         args: &args.host,
         database_url: url,
         host_name: "local".into(),
         listener,
+        tls,
+        only_fronts: None,
         started: Box::new(|address, store, host| {
             println!(
-                "Shoal is up: http://{address} ({} database, {} accelerator)",
+                "Shoal is up: {scheme}://{address} ({} database, {} accelerator)",
                 store.backend(),
                 host.engine().accel().as_str()
             );
@@ -121,7 +207,7 @@ pub async fn up(args: UpArgs) -> Result<()> {
                     None => format!(" --state-dir {}", args.host.engine.state_dir.display()),
                 }
             );
-            println!("  client: PANDASTACK_API=http://{address} PANDASTACK_API_KEY=<token> python3 -c 'import pandastack'");
+            println!("  client: PANDASTACK_API={scheme}://{address} PANDASTACK_API_KEY=<token> python3 -c 'import pandastack'");
         }),
     })
     .await?;
@@ -139,6 +225,11 @@ pub struct HostServe<'a> {
     /// The `host` of its sandboxes' rows.
     pub host_name: String,
     pub listener: tokio::net::TcpListener,
+    /// HTTPS, or plain HTTP when `None`.
+    pub tls: Option<axum_server::tls_rustls::RustlsConfig>,
+    /// A fleet host answers only requests with this front key
+    /// ([`shoal_fleet::only_fronts`]); `shoal up` answers everyone.
+    pub only_fronts: Option<String>,
     pub started: OnStarted<'a>,
 }
 
@@ -171,13 +262,11 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     use std::io::Write;
     std::io::stdout().flush()?;
 
-    // Answers are small and written whole: no reason to let Nagle hold them.
-    let listener = axum::serve::ListenerExt::tap_io(serve.listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, shoal_control::router(control))
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let mut router = shoal_control::router(control);
+    if let Some(key) = serve.only_fronts {
+        router = shoal_fleet::only_fronts(router, key);
+    }
+    serve_router(serve.listener, router, serve.tls).await?;
     eprintln!("shutting down: stopping sandboxes");
     host.engine().kill_all().await;
     close_store(store).await;

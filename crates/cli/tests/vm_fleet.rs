@@ -10,7 +10,14 @@
 //!   one is refused (503 `sandbox host unavailable`, Retry-After 15), new
 //!   creates go to the other two, and no row of theirs changes;
 //! - with every host full, a create is a 503 with Retry-After, and the
-//!   `pandastack` SDK's own retry succeeds once a sandbox is deleted.
+//!   `pandastack` SDK's own retry succeeds once a sandbox is deleted;
+//! - trust: each host joins with a one-time token; a heartbeat for another
+//!   host's id is 403; a second agent under a live name is refused; a
+//!   tenant request straight to an agent is 401; a sandbox reaches no
+//!   agent port and not PostgreSQL; `shoal host revoke` makes the host's
+//!   sandboxes `lost`, refuses its next heartbeat, and its VMs go;
+//! - all of it over HTTPS (front and agents, certificates made by the test,
+//!   the CA pinned by the front, the agents, the test and the SDK).
 //!
 //! Needs PostgreSQL (`scripts/with-postgres`); the agents in their
 //! namespaces reach it through a relay the test runs on the bridge address.
@@ -179,6 +186,13 @@ async fn homes(store: &shoal_store::Store, ids: &[String]) -> BTreeMap<String, S
     homes
 }
 
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
 fn per_host(homes: &BTreeMap<String, String>) -> BTreeMap<String, usize> {
     let mut counts = BTreeMap::new();
     for host in homes.values() {
@@ -206,8 +220,11 @@ fn three_hosts_spread_lose_one_and_fill_up() {
 
         // The schema exists before anyone reads it.
         let store = shoal_store::Store::connect(&db.url).await.unwrap();
+        // Everything crossing the bridge is HTTPS under the test's own CA.
+        let ca = shoal_testkit::tls::TestCa::new(&work.join("tls"));
+        let front_tls = ca.issue("front", &[&gateway]);
         let front_port = shoal_testkit::free_port();
-        let front_url = format!("http://{gateway}:{front_port}");
+        let front_url = format!("https://{gateway}:{front_port}");
         let _front = shoal_testkit::Process::spawn(
             Command::new(shoal)
                 .args([
@@ -218,18 +235,40 @@ fn three_hosts_spread_lose_one_and_fill_up() {
                     FLEET_TOKEN,
                 ])
                 .args(["--listen", &format!("{gateway}:{front_port}")])
-                .args(["--agent-database-url", &agent_db]),
+                .args(["--agent-database-url", &agent_db])
+                .arg("--tls-cert")
+                .arg(&front_tls.cert)
+                .arg("--tls-key")
+                .arg(&front_tls.key)
+                .arg("--agent-ca")
+                .arg(ca.pem()),
             &work.join("server.log"),
         );
+        let mut join_tokens = Vec::new();
+        for _ in 0..HOSTS {
+            join_tokens.push(store.create_join_token(now(), 3600.0).await.unwrap());
+        }
         let mut agents: Vec<shoal_testkit::Process> = (0..HOSTS)
             .map(|n| {
                 let state = work.join(format!("host-{n}"));
+                let tls = ca.issue(&format!("host-{n}"), &[&network.host_address(n)]);
                 shoal_testkit::Process::spawn(
                     Command::new("ip")
                         .args(["netns", "exec", &network.namespaces[n], shoal, "agent"])
-                        .args(["--control-plane", &front_url, "--fleet-token", FLEET_TOKEN])
+                        .args([
+                            "--control-plane",
+                            &front_url,
+                            "--join-token",
+                            &join_tokens[n],
+                        ])
                         .args(["--listen", &format!("{}:8081", network.host_address(n))])
                         .args(["--name", &format!("host-{n}")])
+                        .arg("--ca-file")
+                        .arg(ca.pem())
+                        .arg("--tls-cert")
+                        .arg(&tls.cert)
+                        .arg("--tls-key")
+                        .arg(&tls.key)
                         .arg("--state-dir")
                         .arg(&state)
                         .arg("--cache-dir")
@@ -247,7 +286,7 @@ fn three_hosts_spread_lose_one_and_fill_up() {
             })
             .collect();
 
-        let http = reqwest::Client::new();
+        let http = shoal_fleet::tls::client(Some(&ca.pem())).unwrap();
         let live_hosts = || {
             let http = http.clone();
             let url = format!("{front_url}/v1/fleet/hosts");
@@ -284,6 +323,103 @@ fn three_hosts_spread_lose_one_and_fill_up() {
             base: front_url.clone(),
             token: token.clone(),
         });
+
+        // Trust: tenants reach agents only through a front.
+        let agent_url = |n: usize| format!("https://{}:8081", network.host_address(n));
+        // The certificates are real: a client without the fleet's CA is
+        // refused, and plain HTTP gets no API.
+        let stranger = reqwest::Client::new();
+        assert!(stranger
+            .get(format!("{front_url}/healthz"))
+            .send()
+            .await
+            .is_err());
+        let plain = stranger
+            .get(format!("http://{gateway}:{front_port}/healthz"))
+            .send()
+            .await;
+        assert!(plain.is_err() || !plain.unwrap().status().is_success());
+        let straight = http
+            .get(format!("{}/v1/sandboxes", agent_url(1)))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            straight.status(),
+            401,
+            "a tenant request straight to an agent"
+        );
+        let health = http
+            .get(format!("{}/healthz", agent_url(1)))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(health.status(), 200);
+        // A host speaks only for itself, with its own credential.
+        let credential: Value =
+            serde_json::from_slice(&std::fs::read(work.join("host-1/fleet-host.json")).unwrap())
+                .unwrap();
+        let host_secret = credential["host_secret"].as_str().unwrap().to_owned();
+        let heartbeat = |bearer: String, id: &str| {
+            let http = http.clone();
+            let url = format!("{front_url}/v1/fleet/heartbeat");
+            let report = json!({
+                "id": id, "url": "http://203.0.113.9:8081", "vcpus": 64, "cpu_busy": 0.0,
+                "memory_mib": 1 << 20, "available_mib": 1 << 20, "reserve_mib": 0,
+                "sandboxes": 0, "max_sandboxes": null, "pss_mib": 0, "draining": false,
+            });
+            async move {
+                let answer = http
+                    .post(url)
+                    .bearer_auth(bearer)
+                    .json(&report)
+                    .send()
+                    .await
+                    .unwrap();
+                answer.status().as_u16()
+            }
+        };
+        assert_eq!(
+            heartbeat(host_secret.clone(), "host-2").await,
+            403,
+            "a forged heartbeat"
+        );
+        assert_eq!(
+            heartbeat(FLEET_TOKEN.into(), "host-2").await,
+            401,
+            "the fronts' secret is no host credential"
+        );
+        assert_eq!(
+            heartbeat(join_tokens[2].clone(), "host-2").await,
+            401,
+            "a spent join token"
+        );
+        let hosts = store.hosts(now()).await.unwrap();
+        let host_2 = hosts.iter().find(|h| h.report.id == "host-2").unwrap();
+        assert_eq!(host_2.report.url, agent_url(2), "host-2's row is its own");
+        // A second agent under a live name is refused before it opens anything.
+        let second_token = store.create_join_token(now(), 3600.0).await.unwrap();
+        let second = Command::new(shoal)
+            .args([
+                "agent",
+                "--control-plane",
+                &front_url,
+                "--join-token",
+                &second_token,
+            ])
+            .args(["--name", "host-1", "--listen", "127.0.0.1:0"])
+            .arg("--ca-file")
+            .arg(ca.pem())
+            .arg("--state-dir")
+            .arg(work.join("impostor"))
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&second.stderr);
+        assert!(
+            !second.status.success() && said.contains("already called host-1"),
+            "{said}"
+        );
 
         // 30 creates, six at a time.
         let mut ids = Vec::new();
@@ -336,6 +472,35 @@ fn three_hosts_spread_lose_one_and_fill_up() {
             )
             .await;
         assert_eq!(status, 204);
+
+        // A sandbox reaches no agent (its own host's included) and not the
+        // database, with egress to the internet allowed.
+        let prober = &ids[0];
+        let targets: Vec<String> = (0..HOSTS)
+            .map(|n| format!("{}:8081", network.host_address(n)))
+            .chain([
+                format!("{gateway}:{relay_port}"),
+                format!("{gateway}:{front_port}"),
+            ])
+            .collect();
+        let probe = format!(
+            "import socket\nfor t in {targets:?}:\n    h, p = t.rsplit(':', 1)\n    s = socket.socket(); s.settimeout(2)\n    try:\n        s.connect((h, int(p))); print(t, 'open')\n    except OSError as e:\n        print(t, 'closed', type(e).__name__)\n"
+        );
+        let (status, _, answer) = api
+            .call(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{prober}/exec"),
+                Some(json!({"cmd": format!("python3 -c \"{}\"", probe.replace('"', "\\\"")), "timeout_seconds": 60})),
+            )
+            .await;
+        let printed = answer["stdout"].as_str().unwrap_or_default().to_owned();
+        eprintln!(
+            "FIGURE reachability from a sandbox on {}: {printed}",
+            placed[prober]
+        );
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(printed.lines().count(), targets.len(), "{answer}");
+        assert!(printed.lines().all(|l| l.contains("closed")), "{printed}");
 
         // kill -9 of host-0's agent.
         let victim = "host-0";
@@ -442,6 +607,7 @@ fn three_hosts_spread_lose_one_and_fill_up() {
         let mut sdk = Command::new(python)
             .args(["-c", SDK_RETRY])
             .env("PANDASTACK_API", &front_url)
+            .env("REQUESTS_CA_BUNDLE", ca.pem())
             .env("PANDASTACK_API_KEY", &token)
             .stdout(Stdio::piped())
             .process_group(0)
@@ -477,6 +643,47 @@ fn three_hosts_spread_lose_one_and_fill_up() {
             "{report}"
         );
         eprintln!("FIGURE sdk retry: {report}");
+
+        // Revoking host-1: its sandboxes are lost at once, its next
+        // heartbeat is refused, and its agent stops their VMs.
+        let on_host_1: Vec<String> = homes(&store, &filled)
+            .await
+            .into_iter()
+            .filter(|(_, h)| h == "host-1")
+            .map(|(id, _)| id)
+            .collect();
+        assert!(!on_host_1.is_empty());
+        let revoked = Command::new(shoal)
+            .args(["host", "revoke", "host-1", "--database-url", &db.url])
+            .output()
+            .unwrap();
+        assert!(
+            revoked.status.success(),
+            "{}",
+            String::from_utf8_lossy(&revoked.stderr)
+        );
+        for id in &on_host_1 {
+            let row = store.sandbox_by_id(id).await.unwrap().unwrap();
+            assert_eq!(row.status, "lost", "{id}");
+        }
+        // QEMU's command line names files under the state dir; the agent's
+        // names the dir itself.
+        let host_1_dir = format!("{}/", work.join("host-1").display());
+        let vms_gone = shoal_testkit::wait_until(Duration::from_secs(30), || async {
+            shoal_testkit::processes_mentioning(&host_1_dir).is_empty()
+        })
+        .await;
+        assert!(
+            vms_gone,
+            "host-1's agent did not stop the VMs of its lost sandboxes"
+        );
+        let refused = shoal_testkit::wait_until(Duration::from_secs(25), || async {
+            std::fs::read_to_string(work.join("agent-1.log"))
+                .is_ok_and(|log| log.contains("unknown or revoked host credential"))
+        })
+        .await;
+        assert!(refused, "host-1's next heartbeat was not refused");
+        assert!(!live_hosts().await.contains(&"host-1".to_string()));
 
         for agent in agents.iter_mut().skip(1) {
             agent.signal(shoal_testkit::SIGTERM);

@@ -31,7 +31,9 @@
 //!   any live agent; they all read the same database.
 
 use crate::limits::{self, AccountRates, FailedAuths, FrontLimits};
-use crate::{fleet_token_matches, FleetConfig, HEARTBEAT_INTERVAL, STALE_AFTER};
+use crate::{
+    fleet_token_matches, FleetConfig, JoinRequest, Joined, HEARTBEAT_INTERVAL, STALE_AFTER,
+};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
@@ -40,7 +42,7 @@ use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use serde_json::json;
 use shoal_placement::{HostCapacity, InFlight, PlacementError, Request as PlacementRequest};
-use shoal_store::{Account, HostReport, HostRow, NewPlacement, Store};
+use shoal_store::{Account, HostReport, HostRow, JoinRefusal, NewPlacement, Store};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,10 +51,15 @@ use std::time::{Duration, Instant};
 /// How a front runs.
 #[derive(Debug, Clone)]
 pub struct FrontConfig {
-    /// Shared by the fronts and agents of one fleet.
+    /// The fronts' own secret: the operators' fleet routes take it, and
+    /// each host's front key is derived from it ([`crate::front_key`]).
     pub fleet_token: String,
     /// Handed to agents that start without one of their own.
     pub database_url: String,
+    /// The CA agents' certificates chain to, pinned for every request to an
+    /// `https://` agent (`None`: the web's roots). Checked before a front
+    /// is made ([`crate::tls::client`]).
+    pub agent_ca: Option<std::path::PathBuf>,
     /// How often the sandboxes of stale hosts are looked for.
     pub lost_check: Duration,
 }
@@ -187,13 +194,20 @@ fn hop_by_hop(name: &header::HeaderName) -> bool {
 
 impl Front {
     pub fn new(store: Store, config: FrontConfig) -> Arc<Front> {
+        let http = crate::tls::client_builder(config.agent_ca.as_deref())
+            .and_then(|b| {
+                b.tcp_nodelay(true)
+                    .build()
+                    .map_err(|e| crate::tls::TlsError::Invalid {
+                        path: config.agent_ca.clone().unwrap_or_default(),
+                        why: e.to_string(),
+                    })
+            })
+            .expect("the agents' CA, checked before the front was made");
         Arc::new(Front {
             store,
             config,
-            http: reqwest::Client::builder()
-                .tcp_nodelay(true)
-                .build()
-                .expect("an HTTP client"),
+            http,
             tokens: Mutex::default(),
             placing: tokio::sync::Mutex::new(()),
             routing: Mutex::new(None),
@@ -310,7 +324,10 @@ impl Front {
     /// records the placement, in one decision no other front interleaves
     /// with (`Store::place`). Returns the host's address and the
     /// placement's id.
-    pub async fn place(&self, pinned_to: Option<String>) -> Result<(String, String), Response> {
+    pub async fn place(
+        &self,
+        pinned_to: Option<String>,
+    ) -> Result<(String, String, String), Response> {
         let request = PlacementRequest {
             memory_mib: SANDBOX_RESIDENT_MIB,
             cpu_share: SANDBOX_CPU_SHARE,
@@ -321,6 +338,7 @@ impl Front {
         let _one_at_a_time = self.placing.lock().await;
         let at = now();
         let mut url = String::new();
+        let mut host_id = String::new();
         let decided = self
             .store
             .place(at, |hosts| {
@@ -331,6 +349,7 @@ impl Front {
                     .find(|h| h.report.id == chosen.id)
                     .map(|h| h.report.url.clone())
                     .unwrap_or_default();
+                host_id = chosen.id.clone();
                 Ok(NewPlacement {
                     host_id: chosen.id.clone(),
                     memory_mib: request.memory_mib,
@@ -340,15 +359,15 @@ impl Front {
             .await
             .map_err(database_error)?;
         match decided {
-            Ok((_, placement)) => Ok((url, placement)),
+            Ok((_, placement)) => Ok((host_id, url, placement)),
             Err(PlacementError::NoCapacity) => Err(no_capacity()),
             Err(PlacementError::PinnedHostUnavailable) => Err(volume_host_unavailable()),
         }
     }
 
     /// The host for a new volume: the live host placement would choose for
-    /// a sandbox now, without a reservation. Its address.
-    async fn place_volume(&self) -> Result<String, Response> {
+    /// a sandbox now, without a reservation. Its id and address.
+    async fn place_volume(&self) -> Result<(String, String), Response> {
         let at = now();
         let hosts = self.store.hosts(at).await.map_err(database_error)?;
         let capacities: Vec<HostCapacity> = hosts.iter().map(|h| capacity(h, at)).collect();
@@ -358,11 +377,12 @@ impl Front {
             pinned_to: None,
         };
         let chosen = shoal_placement::place(&request, &capacities).map_err(|_| no_capacity())?;
-        Ok(hosts
+        let url = hosts
             .iter()
             .find(|h| h.report.id == chosen.id)
             .map(|h| h.report.url.clone())
-            .unwrap_or_default())
+            .unwrap_or_default();
+        Ok((chosen.id.clone(), url))
     }
 
     /// The host a create must run on: that of the volumes its body names
@@ -399,10 +419,12 @@ impl Front {
         Ok(pinned)
     }
 
-    /// Sends the request on to an agent, streaming both bodies (exec
-    /// streams and large files pass through without being held).
+    /// Sends the request on to agent `host_id` at `base`, streaming both
+    /// bodies (exec streams and large files pass through without being
+    /// held), with the key that proves to that host a front sent it.
     async fn forward(
         &self,
+        host_id: &str,
         base: &str,
         method: Method,
         uri: &Uri,
@@ -412,10 +434,14 @@ impl Front {
         let path = uri.path_and_query().map_or("/", |p| p.as_str());
         let mut request = self.http.request(method, format!("{base}{path}"));
         for (name, value) in headers {
-            if !hop_by_hop(name) {
+            if !hop_by_hop(name) && name.as_str() != crate::FRONT_KEY_HEADER {
                 request = request.header(name, value);
             }
         }
+        request = request.header(
+            crate::FRONT_KEY_HEADER,
+            crate::front_key(&self.config.fleet_token, host_id),
+        );
         // The agent names URLs on the address the client used (an app's
         // proxy URL), not on its own.
         if let (Some(host), false) = (
@@ -459,6 +485,7 @@ impl Front {
             let host = live[(first + i) % live.len()];
             match self
                 .forward(
+                    &host.report.id,
                     &host.report.url,
                     method.clone(),
                     uri,
@@ -479,6 +506,7 @@ impl Front {
 pub fn router(front: Arc<Front>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/v1/fleet/join", post(join))
         .route("/v1/fleet/heartbeat", post(heartbeat))
         .route("/v1/fleet/config", get(config))
         .route("/v1/fleet/hosts", get(hosts))
@@ -497,10 +525,98 @@ pub fn router(front: Arc<Front>) -> Router {
 
 type St = State<Arc<Front>>;
 
-async fn heartbeat(State(front): St, headers: HeaderMap, body: Bytes) -> Response {
-    if !fleet_token_matches(&headers, &front.config.fleet_token) {
-        return unauthorized();
+/// The host a request's bearer credential speaks for: 401 for none, an
+/// unknown one or a revoked one.
+async fn calling_host(front: &Front, headers: &HeaderMap) -> Result<String, Response> {
+    let secret = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(shoal_store::bearer_token)
+        .ok_or_else(|| host_unauthorized("missing host credential"))?;
+    front
+        .store
+        .host_of_secret(secret)
+        .await
+        .map_err(database_error)?
+        .ok_or_else(|| host_unauthorized("unknown or revoked host credential"))
+}
+
+fn host_unauthorized(why: &str) -> Response {
+    refuse(
+        StatusCode::UNAUTHORIZED,
+        &format!("{why}: join with `shoal agent --join-token` (from `shoal host join-token`)"),
+        None,
+    )
+}
+
+impl Front {
+    fn fleet_config(&self, host_id: &str) -> FleetConfig {
+        FleetConfig {
+            database_url: self.config.database_url.clone(),
+            front_key: crate::front_key(&self.config.fleet_token, host_id),
+            heartbeat_interval_s: HEARTBEAT_INTERVAL.as_secs(),
+            stale_after_s: STALE_AFTER.as_secs(),
+        }
     }
+}
+
+/// A new host spends a one-time join token for a credential of its own.
+async fn join(State(front): St, body: Bytes) -> Response {
+    let request: JoinRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid join request: {e}"),
+                None,
+            )
+        }
+    };
+    if !crate::valid_host_name(&request.name) {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "a host name is 1 to 63 letters, digits, '-', '_' or '.'",
+            None,
+        );
+    }
+    let at = now();
+    let live_since = at - STALE_AFTER.as_secs_f64();
+    match front
+        .store
+        .join_host(&request.join_token, &request.name, at, live_since)
+        .await
+    {
+        Ok(Ok(host_secret)) => {
+            tracing::info!(host = request.name, "host joined the fleet");
+            Json(Joined {
+                host_secret,
+                config: front.fleet_config(&request.name),
+            })
+            .into_response()
+        }
+        Ok(Err(JoinRefusal::BadToken)) => refuse(
+            StatusCode::UNAUTHORIZED,
+            "invalid, spent or expired join token (make one with `shoal host join-token`)",
+            None,
+        ),
+        Ok(Err(JoinRefusal::NameLive)) => refuse(
+            StatusCode::CONFLICT,
+            &format!(
+                "a live host is already called {}: give this one another --name, or stop that one and wait {} s",
+                request.name,
+                STALE_AFTER.as_secs()
+            ),
+            None,
+        ),
+        Err(e) => database_error(e),
+    }
+}
+
+async fn heartbeat(State(front): St, headers: HeaderMap, body: Bytes) -> Response {
+    let host_id = match calling_host(&front, &headers).await {
+        Ok(id) => id,
+        Err(response) => return response,
+    };
     let report: HostReport = match serde_json::from_slice(&body) {
         Ok(report) => report,
         Err(e) => {
@@ -511,10 +627,25 @@ async fn heartbeat(State(front): St, headers: HeaderMap, body: Bytes) -> Respons
             )
         }
     };
-    if report.id.is_empty() || !report.url.starts_with("http") {
+    if report.id != host_id {
+        tracing::warn!(
+            host = host_id,
+            claimed = report.id,
+            "a host reported for another"
+        );
+        return refuse(
+            StatusCode::FORBIDDEN,
+            &format!(
+                "this credential speaks for host {host_id}, not {}",
+                report.id
+            ),
+            None,
+        );
+    }
+    if !report.url.starts_with("http://") && !report.url.starts_with("https://") {
         return refuse(
             StatusCode::BAD_REQUEST,
-            "a host report needs an id and an http(s) url",
+            "a host report needs an http(s) url",
             None,
         );
     }
@@ -529,16 +660,12 @@ async fn heartbeat(State(front): St, headers: HeaderMap, body: Bytes) -> Respons
     }
 }
 
+/// What a joined host starts with (its credential names it).
 async fn config(State(front): St, headers: HeaderMap) -> Response {
-    if !fleet_token_matches(&headers, &front.config.fleet_token) {
-        return unauthorized();
+    match calling_host(&front, &headers).await {
+        Ok(host_id) => Json(front.fleet_config(&host_id)).into_response(),
+        Err(response) => response,
     }
-    Json(FleetConfig {
-        database_url: front.config.database_url.clone(),
-        heartbeat_interval_s: HEARTBEAT_INTERVAL.as_secs(),
-        stale_after_s: STALE_AFTER.as_secs(),
-    })
-    .into_response()
 }
 
 async fn hosts(State(front): St, headers: HeaderMap) -> Response {
@@ -582,12 +709,12 @@ async fn create(State(front): St, request: Request) -> Response {
         Ok(pinned) => pinned,
         Err(response) => return response,
     };
-    let (url, placement) = match front.place(pinned).await {
+    let (host_id, url, placement) = match front.place(pinned).await {
         Ok(chosen) => chosen,
         Err(response) => return response,
     };
     let answer = front
-        .forward(&url, method, &uri, &headers, body.into())
+        .forward(&host_id, &url, method, &uri, &headers, body.into())
         .await;
     let created = matches!(&answer, Ok(response) if response.status().is_success());
     let done = if created {
@@ -698,6 +825,7 @@ impl Front {
                 let body = reqwest::Body::wrap_stream(body.into_data_stream());
                 match self
                     .forward(
+                        &host.report.id,
                         &host.report.url,
                         parts.method,
                         &parts.uri,
@@ -755,12 +883,12 @@ async fn create_volume(State(front): St, request: Request) -> Response {
         Err(response) => return response,
     };
     let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
-    let url = match front.place_volume().await {
-        Ok(url) => url,
+    let (host_id, url) = match front.place_volume().await {
+        Ok(chosen) => chosen,
         Err(response) => return response,
     };
     match front
-        .forward(&url, method, &uri, &headers, body.into())
+        .forward(&host_id, &url, method, &uri, &headers, body.into())
         .await
     {
         Ok(response) => response,
@@ -806,7 +934,14 @@ async fn about_volume(State(front): St, Path(name): Path<String>, request: Reque
         .filter(|h| h.is_fresh(at, STALE_AFTER.as_secs_f64()));
     match home {
         Some(host) => front
-            .forward(&host.report.url, method, &uri, &headers, body.into())
+            .forward(
+                &host.report.id,
+                &host.report.url,
+                method,
+                &uri,
+                &headers,
+                body.into(),
+            )
             .await
             .unwrap_or_else(|e| {
                 tracing::warn!(host = host.report.id, error = %e, "volume host unreachable");

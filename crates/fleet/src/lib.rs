@@ -21,6 +21,7 @@
 pub mod front;
 pub mod limits;
 pub mod report;
+pub mod tls;
 
 use std::time::Duration;
 
@@ -30,21 +31,96 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
 /// sandboxes are `lost`.
 pub const STALE_AFTER: Duration = Duration::from_secs(30);
 
-/// The header-less bearer check every fleet-internal route uses: agents and
-/// fronts share one fleet token.
+/// The bearer check of the operators' fleet routes (`/v1/fleet/hosts`):
+/// the fronts' own secret, `--fleet-token`, which no agent holds.
 fn fleet_token_matches(headers: &axum::http::HeaderMap, token: &str) -> bool {
     let given = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(shoal_store::bearer_token)
         .unwrap_or("");
-    // Length first, then every byte: no early exit on the first mismatch.
-    given.len() == token.len()
+    same_secret(given, token)
+}
+
+/// Length first, then every byte: no early exit on the first mismatch.
+fn same_secret(given: &str, expected: &str) -> bool {
+    given.len() == expected.len()
         && given
             .bytes()
-            .zip(token.bytes())
+            .zip(expected.bytes())
             .fold(0u8, |acc, (a, b)| acc | (a ^ b))
             == 0
+}
+
+/// The header a front proves itself with on every request to an agent.
+pub const FRONT_KEY_HEADER: &str = "x-shoal-front-key";
+
+/// The key fronts present to host `host_id`: HMAC-SHA256 of the id under
+/// the fronts' secret. Each agent learns only its own, so a host that is
+/// broken into cannot pass for a front to any other host.
+pub fn front_key(fleet_token: &str, host_id: &str) -> String {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(fleet_token.as_bytes())
+        .expect("HMAC takes a key of any length");
+    mac.update(b"shoal front-to-host key\0");
+    mac.update(host_id.as_bytes());
+    hex::encode(mac.finalize().into_bytes())
+}
+
+/// Wraps an agent's API so that it answers only fronts: every route but
+/// `/healthz` needs [`FRONT_KEY_HEADER`] with this host's key (401
+/// otherwise). Tenants reach sandboxes only through a front.
+pub fn only_fronts(router: axum::Router, key: String) -> axum::Router {
+    let key = std::sync::Arc::new(key);
+    router.layer(axum::middleware::from_fn(
+        move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let key = key.clone();
+            async move {
+                let given = request
+                    .headers()
+                    .get(FRONT_KEY_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                if request.uri().path() == "/healthz" || same_secret(given, &key) {
+                    next.run(request).await
+                } else {
+                    use axum::response::IntoResponse;
+                    (
+                        axum::http::StatusCode::UNAUTHORIZED,
+                        axum::Json(serde_json::json!({
+                            "error": "this is a fleet host: send requests to a front (shoal server)"
+                        })),
+                    )
+                        .into_response()
+                }
+            }
+        },
+    ))
+}
+
+/// What an agent sends to join the fleet with a one-time join token.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct JoinRequest {
+    /// The host id it will speak for.
+    pub name: String,
+    pub join_token: String,
+}
+
+/// What a front answers a join with.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Joined {
+    /// The host's own credential: heartbeats and config reads carry it.
+    pub host_secret: String,
+    pub config: FleetConfig,
+}
+
+/// A host id: what `--name` may be (it is a row key and a log field).
+pub fn valid_host_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
 }
 
 /// What a front tells an agent at registration.
@@ -52,6 +128,8 @@ fn fleet_token_matches(headers: &axum::http::HeaderMap, token: &str) -> bool {
 pub struct FleetConfig {
     /// The database the agents' control planes share with the fronts.
     pub database_url: String,
+    /// The key fronts present to this host ([`front_key`]).
+    pub front_key: String,
     pub heartbeat_interval_s: u64,
     pub stale_after_s: u64,
 }

@@ -6,7 +6,7 @@
 //! row. A front that cannot be reached is retried at the next beat; three
 //! missed beats make the host stale.
 
-use crate::{FleetConfig, HEARTBEAT_INTERVAL};
+use crate::{FleetConfig, JoinRequest, Joined, HEARTBEAT_INTERVAL};
 use shoal_host::{HostAgent, VmState};
 use shoal_store::HostReport;
 use std::sync::Arc;
@@ -36,7 +36,8 @@ pub enum ReportError {
 /// Posts heartbeats to a front.
 pub struct Reporter {
     control_plane: String,
-    fleet_token: String,
+    /// This host's credential ([`join`]).
+    host_secret: String,
     identity: Identity,
     host: Arc<HostAgent>,
     http: reqwest::Client,
@@ -82,18 +83,20 @@ fn memory_mib() -> (u64, u64) {
 }
 
 impl Reporter {
+    /// `http` reaches the front (its CA pinned: [`crate::tls::client`]).
     pub fn new(
+        http: reqwest::Client,
         control_plane: &str,
-        fleet_token: &str,
+        host_secret: &str,
         identity: Identity,
         host: Arc<HostAgent>,
     ) -> Reporter {
         Reporter {
             control_plane: control_plane.trim_end_matches('/').to_owned(),
-            fleet_token: fleet_token.to_owned(),
+            host_secret: host_secret.to_owned(),
             identity,
             host,
-            http: reqwest::Client::new(),
+            http,
             last_cpu: std::sync::Mutex::new(cpu_times()),
         }
     }
@@ -148,7 +151,7 @@ impl Reporter {
         let request = self
             .http
             .post(&url)
-            .bearer_auth(&self.fleet_token)
+            .bearer_auth(&self.host_secret)
             .json(&report)
             .timeout(HEARTBEAT_INTERVAL);
         send(request, &url).await?;
@@ -170,13 +173,15 @@ impl Reporter {
     }
 }
 
-/// Asks a front for the fleet's configuration (the database to share).
+/// Asks a front for the fleet's configuration (the database to share, the
+/// key fronts will present), as the host `host_secret` speaks for.
 pub async fn fetch_config(
+    http: &reqwest::Client,
     control_plane: &str,
-    fleet_token: &str,
+    host_secret: &str,
 ) -> Result<FleetConfig, ReportError> {
     let url = format!("{}/v1/fleet/config", control_plane.trim_end_matches('/'));
-    let request = reqwest::Client::new().get(&url).bearer_auth(fleet_token);
+    let request = http.get(&url).bearer_auth(host_secret);
     send(request, &url)
         .await?
         .json()
@@ -184,22 +189,42 @@ pub async fn fetch_config(
         .map_err(|source| ReportError::Unreachable { url, source })
 }
 
-/// [`fetch_config`], retried while the front cannot be reached, for at most
-/// `patience`. Agents and fronts start in any order (a host that boots before
-/// the front, a front restarting): an agent waits for its front as `slurmd`
-/// waits for `slurmctld`, rather than exiting on the first refused
-/// connection. A front that answers with a refusal (a wrong fleet token) is
-/// not retried.
-pub async fn fetch_config_patiently(
+/// Joins the fleet as host `name` with a one-time join token: the host's
+/// own credential and the configuration.
+pub async fn join(
+    http: &reqwest::Client,
     control_plane: &str,
-    fleet_token: &str,
-    patience: std::time::Duration,
-) -> Result<FleetConfig, ReportError> {
+    name: &str,
+    join_token: &str,
+) -> Result<Joined, ReportError> {
+    let url = format!("{}/v1/fleet/join", control_plane.trim_end_matches('/'));
+    let request = http.post(&url).json(&JoinRequest {
+        name: name.to_owned(),
+        join_token: join_token.to_owned(),
+    });
+    send(request, &url)
+        .await?
+        .json()
+        .await
+        .map_err(|source| ReportError::Unreachable { url, source })
+}
+
+/// `call` ([`fetch_config`] or [`join`]), retried while the front cannot be
+/// reached, for at most `patience`. Agents and fronts start in any order (a
+/// host that boots before the front, a front restarting): an agent waits
+/// for its front as `slurmd` waits for `slurmctld`, rather than exiting on
+/// the first refused connection. A front that answers with a refusal (a
+/// spent join token, a revoked credential) is not retried.
+pub async fn patiently<T, F, Fut>(patience: std::time::Duration, call: F) -> Result<T, ReportError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ReportError>>,
+{
     use std::time::{Duration, Instant};
     let give_up = Instant::now() + patience;
     let mut pause = Duration::from_millis(100);
     loop {
-        match fetch_config(control_plane, fleet_token).await {
+        match call().await {
             Err(e @ ReportError::Unreachable { .. }) if Instant::now() + pause < give_up => {
                 tracing::warn!(error = %e, "waiting for the control plane");
                 tokio::time::sleep(pause).await;
@@ -247,6 +272,7 @@ mod tests {
                 .unwrap();
             let config = FleetConfig {
                 database_url: "postgres://fleet".into(),
+                front_key: "key".into(),
                 heartbeat_interval_s: 2,
                 stale_after_s: 6,
             };
@@ -266,12 +292,13 @@ mod tests {
 
     #[tokio::test]
     async fn an_agent_started_before_its_front_waits_for_it() {
+        let http = reqwest::Client::new();
         let front = front_after(Duration::from_millis(700), 200).await;
         assert!(matches!(
-            fetch_config(&front, "t").await,
+            fetch_config(&http, &front, "t").await,
             Err(ReportError::Unreachable { .. })
         ));
-        let config = fetch_config_patiently(&front, "t", Duration::from_secs(30))
+        let config = patiently(Duration::from_secs(30), || fetch_config(&http, &front, "t"))
             .await
             .unwrap();
         assert_eq!(config.database_url, "postgres://fleet");
@@ -279,11 +306,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_refusal_or_a_front_that_never_comes_ends_the_wait() {
+        let http = reqwest::Client::new();
         let refusing = front_after(Duration::ZERO, 401).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let start = Instant::now();
         assert!(matches!(
-            fetch_config_patiently(&refusing, "t", Duration::from_secs(30)).await,
+            patiently(Duration::from_secs(30), || fetch_config(
+                &http, &refusing, "t"
+            ))
+            .await,
             Err(ReportError::Refused { .. })
         ));
         assert!(start.elapsed() < Duration::from_secs(5));
@@ -291,7 +322,7 @@ mod tests {
         let absent = front_after(Duration::from_secs(3600), 200).await;
         let start = Instant::now();
         assert!(matches!(
-            fetch_config_patiently(&absent, "t", Duration::from_secs(1)).await,
+            patiently(Duration::from_secs(1), || fetch_config(&http, &absent, "t")).await,
             Err(ReportError::Unreachable { .. })
         ));
         assert!(start.elapsed() < Duration::from_secs(3));

@@ -77,6 +77,7 @@ async fn apps_are_placed_and_then_routed_to_their_host() {
     let front = Front::new(
         store.clone(),
         FrontConfig {
+            agent_ca: None,
             fleet_token: "fleet".into(),
             database_url: url,
             lost_check: Duration::from_secs(3600),

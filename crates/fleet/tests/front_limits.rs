@@ -92,6 +92,7 @@ impl Fleet {
         let front = Front::with_limits(
             store.clone(),
             FrontConfig {
+                agent_ca: None,
                 fleet_token: "fleet-token-of-the-test".into(),
                 database_url: db.url.clone(),
                 lost_check: Duration::from_secs(3600),

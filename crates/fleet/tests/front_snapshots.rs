@@ -90,6 +90,7 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
     let front = Front::new(
         store.clone(),
         FrontConfig {
+            agent_ca: None,
             fleet_token: "fleet".into(),
             database_url: url,
             lost_check: Duration::from_secs(3600),

@@ -13,6 +13,7 @@ mod api;
 mod local_agent;
 pub mod process;
 mod sandbox;
+pub mod tls;
 
 pub use api::{Answer, ApiClient};
 pub use local_agent::LocalAgent;

@@ -23,7 +23,7 @@ pub struct Api {
 impl Api {
     pub fn new(config: &Config) -> Result<Api> {
         Ok(Api {
-            http: reqwest::Client::builder()
+            http: shoal_fleet::tls::client_builder(config.ca_file.as_deref())?
                 .timeout(std::time::Duration::from_secs(60))
                 .build()?,
             base: config.base_url()?,

@@ -2,7 +2,7 @@
 //! templates.
 //!
 //! Owns: reading `SHOAL_API` / `SHOAL_API_KEY` (falling back to
-//! `PANDASTACK_API` / `PANDASTACK_API_KEY`), the optional JSON config file
+//! `PANDASTACK_API` / `PANDASTACK_API_KEY`), `SHOAL_CA_FILE`, the optional JSON config file
 //! (`$SHOAL_SLURM_CONFIG`, else `~/.config/shoal/slurm.json`) and the
 //! `SHOAL_PARTITIONS` override. The environment wins over the file.
 //!
@@ -24,6 +24,8 @@ pub struct Config {
     /// Base URL of the API (`http://host:8080`, with or without `/v1`).
     pub api: Option<String>,
     pub api_key: Option<String>,
+    /// A CA (PEM) to trust alone for an `https://` API, e.g. a fleet's own.
+    pub ca_file: Option<PathBuf>,
     /// Partition name → template name.
     pub partitions: BTreeMap<String, String>,
     /// The template of jobs that name no partition.
@@ -54,6 +56,9 @@ impl Config {
         }
         if let Some(key) = env(["SHOAL_API_KEY", "PANDASTACK_API_KEY"]) {
             config.api_key = Some(key);
+        }
+        if let Some(ca) = std::env::var_os("SHOAL_CA_FILE").filter(|v| !v.is_empty()) {
+            config.ca_file = Some(PathBuf::from(ca));
         }
         if let Ok(map) = std::env::var("SHOAL_PARTITIONS") {
             config.partitions = parse_partitions(&map)?;
