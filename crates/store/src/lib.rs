@@ -182,6 +182,21 @@ impl Store {
         }
     }
 
+    /// Whether the store's connections to its database are encrypted
+    /// (PostgreSQL with TLS, as `sslmode=require` in the URL asks); an
+    /// SQLite file crosses no network and answers false.
+    pub async fn encrypted(&self) -> Result<bool> {
+        match &*self.inner {
+            Backend::Sqlite { .. } => Ok(false),
+            Backend::Postgres(pool) => {
+                let row = sqlx::query("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+                    .fetch_one(pool)
+                    .await?;
+                Ok(row::Column::boolean(&row, "ssl")?)
+            }
+        }
+    }
+
     /// The same store, pricing usage with `rate_card`.
     pub fn with_rate_card(mut self, rate_card: RateCard) -> Store {
         self.rate_card = rate_card;

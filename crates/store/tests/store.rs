@@ -751,3 +751,37 @@ fn tiers_parse_and_print() {
         }
     );
 }
+
+/// The database PostgreSQL tests get (scripts/with-postgres) requires TLS:
+/// the store's connections are encrypted, and SQLite's is no connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_that_requires_tls_gets_an_encrypted_connection() {
+    {
+        let sqlite = common::sqlite_db().await;
+        assert!(!sqlite.store.encrypted().await.unwrap());
+        sqlite.cleanup().await;
+        let Some(postgres) = common::postgres_db().await else {
+            return;
+        };
+        if postgres.url.contains("sslmode=require") {
+            assert!(
+                postgres.store.encrypted().await.unwrap(),
+                "sslmode=require without TLS"
+            );
+        }
+        let plain = if postgres.url.contains("sslmode=") {
+            postgres.url.replace("sslmode=require", "sslmode=disable")
+        } else if postgres.url.contains('?') {
+            format!("{}&sslmode=disable", postgres.url)
+        } else {
+            format!("{}?sslmode=disable", postgres.url)
+        };
+        let store = shoal_store::Store::connect(&plain).await.unwrap();
+        assert!(
+            !store.encrypted().await.unwrap(),
+            "sslmode=disable with TLS"
+        );
+        store.close().await;
+        postgres.cleanup().await;
+    }
+}
