@@ -2,7 +2,10 @@
 //!
 //! Stateless: everything it knows is in the database (hosts, placements,
 //! sandbox rows, tokens), so several fronts may run behind a load balancer.
-//! Per request it does one of four things:
+//! Every tenant route checks the caller first ([`Front::caller`]: the
+//! per-address bad-token limit, the token, the account's rate, see
+//! [`crate::limits`]) and reads a body only after. Per request it does one
+//! of four things:
 //!
 //! - `POST /v1/sandboxes` and `POST /v1/apps`: authenticate, place on a
 //!   live host (a fork is not a create: it goes with the rest to its
