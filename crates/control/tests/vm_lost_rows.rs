@@ -11,7 +11,7 @@
 use reqwest::Method;
 use serde_json::json;
 use shoal_control::{ControlConfig, ControlPlane};
-use shoal_host::{HostAgent, HostConfig};
+use shoal_host::HostAgent;
 use shoal_store::{SandboxPatch, Store, Tier};
 use shoal_testkit::{ApiClient, TestDb};
 use std::sync::{Arc, Mutex};
@@ -23,29 +23,8 @@ const HOST: &str = "host-a";
 static SERIAL: Mutex<()> = Mutex::new(());
 
 async fn host() -> Arc<HostAgent> {
-    static AGENT: OnceCell<Arc<HostAgent>> = OnceCell::const_new();
-    AGENT
-        .get_or_init(|| async {
-            let mut engine =
-                shoal_host::EngineConfig::new(shoal_testkit::state_dir("vm_lost_rows"));
-            engine.cache_dir = shoal_testkit::cache_dir();
-            let host = HostAgent::open(HostConfig {
-                engine,
-                max_sandboxes: None,
-                memory_reserve_mib: 0,
-                memory_overcommit: shoal_host::DEFAULT_MEMORY_OVERCOMMIT,
-                disk_reserve_mib: 0,
-            })
-            .await
-            .expect("opening the host agent");
-            let progress =
-                indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
-            host.engine()
-                .build_template("code-interpreter", shoal_testkit::guest_agent(), &progress)
-                .await
-                .expect("building code-interpreter");
-            host
-        })
+    static HOST: OnceCell<Arc<HostAgent>> = OnceCell::const_new();
+    HOST.get_or_init(|| shoal_testkit::host_agent("vm_lost_rows"))
         .await
         .clone()
 }

@@ -12,7 +12,7 @@
 use base64::Engine as _;
 use serde_json::{json, Value};
 use shoal_control::{ControlConfig, ControlPlane};
-use shoal_host::{HostAgent, HostConfig};
+use shoal_host::HostAgent;
 use shoal_store::{Store, Tier};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -29,28 +29,9 @@ fn serial<F: std::future::Future<Output = ()>>(body: F) {
 
 async fn host() -> Arc<HostAgent> {
     static HOST: OnceCell<Arc<HostAgent>> = OnceCell::const_new();
-    HOST.get_or_init(|| async {
-        let mut engine = shoal_host::EngineConfig::new(shoal_testkit::state_dir("vm_sweeps"));
-        engine.cache_dir = shoal_testkit::cache_dir();
-        let host = HostAgent::open(HostConfig {
-            engine,
-            max_sandboxes: None,
-            memory_reserve_mib: 0,
-            memory_overcommit: shoal_host::DEFAULT_MEMORY_OVERCOMMIT,
-            disk_reserve_mib: 0,
-        })
+    HOST.get_or_init(|| shoal_testkit::host_agent("vm_sweeps"))
         .await
-        .expect("opening the host agent");
-        let progress =
-            indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
-        host.engine()
-            .build_template("code-interpreter", shoal_testkit::guest_agent(), &progress)
-            .await
-            .expect("building code-interpreter");
-        host
-    })
-    .await
-    .clone()
+        .clone()
 }
 
 /// A control plane of its own database over the shared host, served on a

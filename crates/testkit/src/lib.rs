@@ -10,12 +10,14 @@
 //! product behaviour: tests do.
 
 mod api;
+mod host;
 mod local_agent;
 pub mod process;
 mod sandbox;
 pub mod tls;
 
 pub use api::{Answer, ApiClient};
+pub use host::host_agent;
 pub use local_agent::LocalAgent;
 pub use process::{alive, free_port, signal_pid, Process, ShoalUp, UpConfig, SIGKILL, SIGTERM};
 pub use sandbox::Sandbox;
