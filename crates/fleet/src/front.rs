@@ -13,9 +13,10 @@
 //!   placement so a burst does not pile onto one host before its next
 //!   heartbeat, and forward the request there; 503 `no compute capacity
 //!   available` with `Retry-After: 5` when nothing fits, before anything
-//!   exists. A create with volumes is pinned to their host (a volume's
-//!   image is on one host's disk): 503 `volume host unavailable`,
-//!   `Retry-After: 15`, when that host is stale.
+//!   exists. A create with volumes or from a snapshot is pinned to their
+//!   host (a volume's image and a snapshot's memory are on one host's
+//!   disk): 503 `volume host unavailable` or `snapshot host unavailable`,
+//!   `Retry-After: 15`, when that host is stale; 409 when they are on two.
 //! - `POST /v1/volumes`: placed on the live host placement likes best (no
 //!   reservation: a volume takes disk, not memory or CPU) and forwarded;
 //!   that agent checks its disk (507) and makes the image. A request about
@@ -65,6 +66,14 @@ pub struct FrontConfig {
     pub agent_ca: Option<std::path::PathBuf>,
     /// How often the sandboxes of stale hosts are looked for.
     pub lost_check: Duration,
+}
+
+/// The host a create must go to, and what of the sandbox's it holds
+/// (`"volume"`, `"snapshot"`: named in the 503 when that host is stale).
+#[derive(Debug, Clone)]
+pub struct Pin {
+    pub host: String,
+    pub holds: &'static str,
 }
 
 /// Host memory a new sandbox is expected to take: its resident size, not
@@ -323,14 +332,15 @@ impl Front {
         Ok(hosts)
     }
 
-    /// Chooses a host for one new sandbox (only `pinned_to` if given) and
-    /// records the placement, in one decision no other front interleaves
-    /// with (`Store::place`). Returns the host's address and the
-    /// placement's id.
-    pub async fn place(
-        &self,
-        pinned_to: Option<String>,
-    ) -> Result<(String, String, String), Response> {
+    /// Chooses a host for one new sandbox (only the pinned one if given)
+    /// and records the placement, in one decision no other front
+    /// interleaves with (`Store::place`). Returns the host's id, its
+    /// address and the placement's id.
+    pub async fn place(&self, pinned: Option<Pin>) -> Result<(String, String, String), Response> {
+        let (pinned_to, holds) = match pinned {
+            Some(pin) => (Some(pin.host), pin.holds),
+            None => (None, "volume"),
+        };
         let request = PlacementRequest {
             memory_mib: SANDBOX_RESIDENT_MIB,
             cpu_share: SANDBOX_CPU_SHARE,
@@ -364,7 +374,11 @@ impl Front {
         match decided {
             Ok((_, placement)) => Ok((host_id, url, placement)),
             Err(PlacementError::NoCapacity) => Err(no_capacity()),
-            Err(PlacementError::PinnedHostUnavailable) => Err(volume_host_unavailable()),
+            Err(PlacementError::PinnedHostUnavailable) => Err(refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("{holds} host unavailable"),
+                Some(15),
+            )),
         }
     }
 
@@ -389,13 +403,36 @@ impl Front {
     }
 
     /// The host a create must run on: that of the volumes its body names
-    /// (404 for one the caller does not have, 409 for volumes on two
-    /// hosts), or `None` for a create without volumes (or a body the agent
-    /// will refuse anyway).
-    async fn volume_pin(&self, account: &Account, body: &[u8]) -> Result<Option<String>, Response> {
-        let names = volume_names(body);
-        let mut pinned: Option<String> = None;
-        for name in names {
+    /// and of the snapshot it restores (their files are on one host's disk):
+    /// 404 for one the caller does not have, 409 for two hosts, `None` for a
+    /// create that names neither (or a body the agent will refuse anyway).
+    async fn pin(&self, account: &Account, body: &[u8]) -> Result<Option<Pin>, Response> {
+        let mut pinned: Option<Pin> = None;
+        let mut add = |host: String, holds: &'static str| match &pinned {
+            Some(pin) if pin.host != host => Err(refuse(
+                StatusCode::CONFLICT,
+                "the volumes and the snapshot of one sandbox must live on one host",
+                None,
+            )),
+            Some(_) => Ok(()),
+            None => {
+                pinned = Some(Pin { host, holds });
+                Ok(())
+            }
+        };
+        if let Some(id) = snapshot_named(body) {
+            let snapshot = self
+                .store
+                .get_snapshot(account.id, &id)
+                .await
+                .map_err(database_error)?
+                .ok_or_else(|| refuse(StatusCode::NOT_FOUND, "snapshot not found", None))?;
+            // A snapshot from before hosts were recorded: any host answers.
+            if let Some(host) = snapshot.host {
+                add(host, "snapshot")?;
+            }
+        }
+        for name in volume_names(body) {
             let volume = self
                 .store
                 .get_volume(account.id, &name)
@@ -408,16 +445,7 @@ impl Front {
                         None,
                     )
                 })?;
-            match &pinned {
-                Some(host) if *host != volume.host => {
-                    return Err(refuse(
-                        StatusCode::CONFLICT,
-                        "the volumes of one sandbox must live on one host",
-                        None,
-                    ))
-                }
-                _ => pinned = Some(volume.host),
-            }
+            add(volume.host, "volume")?;
         }
         Ok(pinned)
     }
@@ -708,7 +736,7 @@ async fn create(State(front): St, request: Request) -> Response {
         Err(response) => return response,
     };
     let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
-    let pinned = match front.volume_pin(&account, &body).await {
+    let pinned = match front.pin(&account, &body).await {
         Ok(pinned) => pinned,
         Err(response) => return response,
     };
@@ -856,6 +884,12 @@ impl Front {
             None => host_unavailable(),
         }
     }
+}
+
+/// The snapshot a create's JSON body restores, if it names one.
+fn snapshot_named(body: &[u8]) -> Option<String> {
+    let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
+    value.get("from_snapshot")?.as_str().map(str::to_string)
 }
 
 /// The volume names a create's JSON body lists (none for a body that is

@@ -155,4 +155,57 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
         .await
         .unwrap();
     assert_eq!(list["path"], "/v1/snapshots");
+
+    // A create from a snapshot goes to the host that holds it, whatever
+    // placement would prefer; its host gone, 503 naming the snapshot.
+    let create = |body: Value| {
+        http.post(format!("{base}/v1/sandboxes"))
+            .bearer_auth(&token)
+            .json(&body)
+            .send()
+    };
+    let answer = create(json!({"from_snapshot": "snap-on-h1"}))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::OK);
+    let answer: Value = answer.json().await.unwrap();
+    assert_eq!(answer["host"], "h1", "{answer}");
+    let answer: Value = create(json!({"template": "base"}))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        answer["host"], "h2",
+        "without a snapshot placement prefers h2: {answer}"
+    );
+    let answer = create(json!({"from_snapshot": "snap-on-gone"}))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.headers()["retry-after"], "15");
+    let answer: Value = answer.json().await.unwrap();
+    assert_eq!(answer["error"], "snapshot host unavailable");
+    let answer = create(json!({"from_snapshot": "nope"})).await.unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::NOT_FOUND);
+    // A volume on another host than the snapshot: no host has both.
+    let limits = shoal_store::VolumeLimits {
+        count: 10,
+        size_mb: 100,
+        total_mb: 1000,
+    };
+    let new = shoal_store::NewVolume {
+        name: "data".into(),
+        size_mb: 10,
+        host: "h2".into(),
+    };
+    store
+        .create_volume(&account, &new, &limits, now())
+        .await
+        .unwrap();
+    let answer = create(json!({"from_snapshot": "snap-on-h1", "volumes": [{"name": "data"}]}))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::CONFLICT);
 }
