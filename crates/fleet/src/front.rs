@@ -408,17 +408,20 @@ impl Front {
     /// create that names neither (or a body the agent will refuse anyway).
     async fn pin(&self, account: &Account, body: &[u8]) -> Result<Option<Pin>, Response> {
         let mut pinned: Option<Pin> = None;
+        // False when `host` is not the one already pinned.
         let mut add = |host: String, holds: &'static str| match &pinned {
-            Some(pin) if pin.host != host => Err(refuse(
+            Some(pin) => pin.host == host,
+            None => {
+                pinned = Some(Pin { host, holds });
+                true
+            }
+        };
+        let two_hosts = || {
+            refuse(
                 StatusCode::CONFLICT,
                 "the volumes and the snapshot of one sandbox must live on one host",
                 None,
-            )),
-            Some(_) => Ok(()),
-            None => {
-                pinned = Some(Pin { host, holds });
-                Ok(())
-            }
+            )
         };
         if let Some(id) = snapshot_named(body) {
             let snapshot = self
@@ -429,7 +432,7 @@ impl Front {
                 .ok_or_else(|| refuse(StatusCode::NOT_FOUND, "snapshot not found", None))?;
             // A snapshot from before hosts were recorded: any host answers.
             if let Some(host) = snapshot.host {
-                add(host, "snapshot")?;
+                add(host, "snapshot");
             }
         }
         for name in volume_names(body) {
@@ -445,7 +448,9 @@ impl Front {
                         None,
                     )
                 })?;
-            add(volume.host, "volume")?;
+            if !add(volume.host, "volume") {
+                return Err(two_hosts());
+            }
         }
         Ok(pinned)
     }
