@@ -35,6 +35,14 @@ pub struct ServerArgs {
     agent_ca: Option<std::path::PathBuf>,
     #[command(flatten)]
     tls: TlsArgs,
+    /// A tier's request rate at this front, TIER=PER_SECOND/BURST
+    /// (default free=50/200, pro=100/400, team=200/800); repeatable.
+    #[arg(long)]
+    account_rate: Vec<String>,
+    /// Invalid tokens one address may send in a minute before it is
+    /// refused (429) for a minute.
+    #[arg(long, default_value_t = 20)]
+    bad_token_limit: u32,
 }
 
 #[derive(clap::Args)]
@@ -81,7 +89,16 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     let store = Store::connect(&args.database_url)
         .await
         .with_context(|| format!("opening the database {}", args.database_url))?;
-    let front = Front::new(
+    let mut limits = shoal_fleet::limits::FrontLimits {
+        failed_auth_limit: args.bad_token_limit,
+        ..Default::default()
+    };
+    for spec in &args.account_rate {
+        limits
+            .set_account_rate(spec)
+            .map_err(|e| anyhow::anyhow!("--account-rate {e}"))?;
+    }
+    let front = Front::with_limits(
         store.clone(),
         FrontConfig {
             fleet_token: args.fleet_token,
@@ -89,6 +106,7 @@ pub async fn server(args: ServerArgs) -> Result<()> {
             database_url: args.agent_database_url.unwrap_or(args.database_url),
             lost_check: std::time::Duration::from_secs(5),
         },
+        limits,
     );
     front.spawn_lost_marker();
     println!(

@@ -105,6 +105,23 @@ impl Default for FrontLimits {
 }
 
 impl FrontLimits {
+    /// Sets one tier's rate from `TIER=PER_SECOND/BURST` (`free=10/50`),
+    /// as `shoal server --account-rate` takes it.
+    pub fn set_account_rate(&mut self, spec: &str) -> Result<(), String> {
+        let bad = || format!("{spec:?}: want TIER=PER_SECOND/BURST, e.g. free=10/50");
+        let (tier, rate) = spec.split_once('=').ok_or_else(bad)?;
+        let tier: Tier = tier.trim().parse().map_err(|_| bad())?;
+        let (per_second, burst) = rate.split_once('/').ok_or_else(bad)?;
+        let per_second: f64 = per_second.trim().parse().map_err(|_| bad())?;
+        let burst: u32 = burst.trim().parse().map_err(|_| bad())?;
+        if !per_second.is_finite() || per_second < 0.0 || burst == 0 {
+            return Err(bad());
+        }
+        self.account_rates
+            .insert(tier, AccountRate { per_second, burst });
+        Ok(())
+    }
+
     pub fn account_rate(&self, tier: Tier) -> AccountRate {
         self.account_rates
             .get(&tier)
@@ -518,5 +535,29 @@ mod tests {
         assert!(is_open("/v1/openapi.json"));
         assert!(!is_open("/v1/me"));
         assert!(!is_open("/v1/openapi.json/x"));
+    }
+
+    #[test]
+    fn account_rates_are_set_from_flags() {
+        let mut limits = FrontLimits::default();
+        limits.set_account_rate("free=10/50").unwrap();
+        let free = limits.account_rate(Tier::Free);
+        assert_eq!((free.per_second, free.burst), (10.0, 50));
+        assert_eq!(
+            limits.account_rate(Tier::Team).burst,
+            800,
+            "others keep theirs"
+        );
+        for bad in [
+            "free",
+            "free=10",
+            "gold=1/2",
+            "free=x/2",
+            "free=1/0",
+            "free=-1/5",
+            "free=NaN/5",
+        ] {
+            assert!(limits.set_account_rate(bad).is_err(), "{bad}");
+        }
     }
 }
