@@ -207,7 +207,7 @@ async fn placement_rate(store: &Store, seconds: u64) -> Result<f64> {
             database_url: String::new(),
             lost_check: Duration::from_secs(3600),
         },
-    );
+    )?;
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut deciding = Duration::ZERO;
     let mut decisions = 0u64;

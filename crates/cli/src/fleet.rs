@@ -81,7 +81,6 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     if args.fleet_token.len() < 16 {
         bail!("--fleet-token must be at least 16 characters");
     }
-    shoal_fleet::tls::client(args.agent_ca.as_deref()).context("--agent-ca")?;
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
@@ -107,7 +106,8 @@ pub async fn server(args: ServerArgs) -> Result<()> {
             lost_check: std::time::Duration::from_secs(5),
         },
         limits,
-    );
+    )
+    .context("--agent-ca")?;
     front.spawn_lost_marker();
     println!(
         "Shoal fleet front: {}://{} ({} database); hosts join with: shoal agent --control-plane URL --join-token $(shoal host join-token)",

@@ -36,11 +36,12 @@
 
 use crate::limits::{self, AccountRates, FailedAuths, FrontLimits};
 use crate::{
-    fleet_token_matches, FleetConfig, JoinRequest, Joined, HEARTBEAT_INTERVAL, STALE_AFTER,
+    bearer, fleet_token_matches, refuse, FleetConfig, JoinRequest, Joined, HEARTBEAT_INTERVAL,
+    STALE_AFTER,
 };
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
@@ -61,8 +62,7 @@ pub struct FrontConfig {
     /// Handed to agents that start without one of their own.
     pub database_url: String,
     /// The CA agents' certificates chain to, pinned for every request to an
-    /// `https://` agent (`None`: the web's roots). Checked before a front
-    /// is made ([`crate::tls::client`]).
+    /// `https://` agent (`None`: the web's roots).
     pub agent_ca: Option<std::path::PathBuf>,
     /// How often the sandboxes of stale hosts are looked for.
     pub lost_check: Duration,
@@ -109,16 +109,6 @@ fn now() -> f64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_secs_f64()
-}
-
-fn refuse(status: StatusCode, message: &str, retry_after: Option<u32>) -> Response {
-    let mut response = (status, Json(json!({ "error": message }))).into_response();
-    if let Some(seconds) = retry_after {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-    }
-    response
 }
 
 fn no_capacity() -> Response {
@@ -205,18 +195,20 @@ fn hop_by_hop(name: &header::HeaderName) -> bool {
 }
 
 impl Front {
-    pub fn new(store: Store, config: FrontConfig) -> Arc<Front> {
-        let http = crate::tls::client_builder(config.agent_ca.as_deref())
-            .and_then(|b| {
-                b.tcp_nodelay(true)
-                    .build()
-                    .map_err(|e| crate::tls::TlsError::Invalid {
-                        path: config.agent_ca.clone().unwrap_or_default(),
-                        why: e.to_string(),
-                    })
-            })
-            .expect("the agents' CA, checked before the front was made");
-        Arc::new(Front {
+    /// A front with the default limits on tenants; an unreadable agents'
+    /// CA is an error.
+    pub fn new(store: Store, config: FrontConfig) -> Result<Arc<Front>, crate::tls::TlsError> {
+        Front::with_limits(store, config, FrontLimits::default())
+    }
+
+    /// A front with other limits on tenants than [`FrontLimits::default`].
+    pub fn with_limits(
+        store: Store,
+        config: FrontConfig,
+        limits: FrontLimits,
+    ) -> Result<Arc<Front>, crate::tls::TlsError> {
+        let http = crate::tls::client(config.agent_ca.as_deref())?;
+        Ok(Arc::new(Front {
             store,
             config,
             http,
@@ -224,18 +216,9 @@ impl Front {
             placing: tokio::sync::Mutex::new(()),
             routing: Mutex::new(None),
             next_any: AtomicUsize::new(0),
-            failed_auths: FailedAuths::new(&FrontLimits::default()),
-            account_rates: AccountRates::new(&FrontLimits::default()),
-        })
-    }
-
-    /// A front with other limits on tenants than [`FrontLimits::default`].
-    pub fn with_limits(store: Store, config: FrontConfig, limits: FrontLimits) -> Arc<Front> {
-        let mut front = Front::new(store, config);
-        let new = Arc::get_mut(&mut front).expect("a new front is not shared yet");
-        new.failed_auths = FailedAuths::new(&limits);
-        new.account_rates = AccountRates::new(&limits);
-        front
+            failed_auths: FailedAuths::new(&limits),
+            account_rates: AccountRates::new(&limits),
+        }))
     }
 
     /// Marks the sandboxes of stale hosts `lost`, every `lost_check`.
@@ -276,10 +259,7 @@ impl Front {
             return Err(limits::address_refused(wait));
         }
         let presented = parts.headers.get(header::AUTHORIZATION);
-        let Some(token) = presented
-            .and_then(|v| v.to_str().ok())
-            .and_then(shoal_store::bearer_token)
-        else {
+        let Some(token) = bearer(&parts.headers) else {
             if let (Some(ip), Some(_)) = (source, presented) {
                 self.failed_auths.failed(ip, Instant::now());
             }
@@ -407,6 +387,7 @@ impl Front {
     /// 404 for one the caller does not have, 409 for two hosts, `None` for a
     /// create that names neither (or a body the agent will refuse anyway).
     async fn pin(&self, account: &Account, body: &[u8]) -> Result<Option<Pin>, Response> {
+        let body = create_body(body);
         let mut pinned: Option<Pin> = None;
         // False when `host` is not the one already pinned.
         let mut add = |host: String, holds: &'static str| match &pinned {
@@ -423,7 +404,7 @@ impl Front {
                 None,
             )
         };
-        if let Some(id) = snapshot_named(body) {
+        if let Some(id) = snapshot_named(&body) {
             let snapshot = self
                 .store
                 .get_snapshot(account.id, &id)
@@ -435,7 +416,7 @@ impl Front {
                 add(host, "snapshot");
             }
         }
-        for name in volume_names(body) {
+        for name in volume_names(&body) {
             let volume = self
                 .store
                 .get_volume(account.id, &name)
@@ -564,11 +545,7 @@ type St = State<Arc<Front>>;
 /// The host a request's bearer credential speaks for: 401 for none, an
 /// unknown one or a revoked one.
 async fn calling_host(front: &Front, headers: &HeaderMap) -> Result<String, Response> {
-    let secret = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(shoal_store::bearer_token)
-        .ok_or_else(|| host_unauthorized("missing host credential"))?;
+    let secret = bearer(headers).ok_or_else(|| host_unauthorized("missing host credential"))?;
     front
         .store
         .host_of_secret(secret)
@@ -891,20 +868,20 @@ impl Front {
     }
 }
 
-/// The snapshot a create's JSON body restores, if it names one.
-fn snapshot_named(body: &[u8]) -> Option<String> {
-    let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
-    value.get("from_snapshot")?.as_str().map(str::to_string)
+/// A create's JSON body, or `null` for one that is not JSON (it names
+/// nothing to pin; the agent answers it).
+fn create_body(body: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(body).unwrap_or(serde_json::Value::Null)
 }
 
-/// The volume names a create's JSON body lists (none for a body that is
-/// not such JSON: the agent answers that one).
-fn volume_names(body: &[u8]) -> Vec<String> {
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return Vec::new();
-    };
-    value
-        .get("volumes")
+/// The snapshot a create's body restores, if it names one.
+fn snapshot_named(body: &serde_json::Value) -> Option<String> {
+    body.get("from_snapshot")?.as_str().map(str::to_string)
+}
+
+/// The volume names a create's body lists.
+fn volume_names(body: &serde_json::Value) -> Vec<String> {
+    body.get("volumes")
         .and_then(|v| v.as_array())
         .map(|volumes| {
             volumes
@@ -1020,6 +997,7 @@ mod tests {
     #[test]
     fn a_create_names_its_volumes_in_its_body() {
         let body = br#"{"template": "base", "volumes": [{"name": "data"}, {"name": "cache", "read_only": true}]}"#;
+        let volume_names = |body: &[u8]| volume_names(&create_body(body));
         assert_eq!(volume_names(body), ["data", "cache"]);
         assert!(volume_names(br#"{"template": "base"}"#).is_empty());
         assert!(volume_names(b"not json").is_empty());

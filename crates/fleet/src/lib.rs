@@ -34,12 +34,34 @@ pub const STALE_AFTER: Duration = Duration::from_secs(30);
 /// The bearer check of the operators' fleet routes (`/v1/fleet/hosts`):
 /// the fronts' own secret, `--fleet-token`, which no agent holds.
 fn fleet_token_matches(headers: &axum::http::HeaderMap, token: &str) -> bool {
-    let given = headers
+    same_secret(bearer(headers).unwrap_or(""), token)
+}
+
+/// The bearer token of a request's `Authorization` header, if any.
+fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(shoal_store::bearer_token)
-        .unwrap_or("");
-    same_secret(given, token)
+}
+
+/// A refusal as the API words one: `{"error": message}`, with
+/// `Retry-After` when the client should come back.
+fn refuse(
+    status: axum::http::StatusCode,
+    message: &str,
+    retry_after: Option<u32>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let mut response =
+        (status, axum::Json(serde_json::json!({ "error": message }))).into_response();
+    if let Some(seconds) = retry_after {
+        response.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from(seconds),
+        );
+    }
+    response
 }
 
 /// Length first, then every byte: no early exit on the first mismatch.
@@ -84,14 +106,11 @@ pub fn only_fronts(router: axum::Router, key: String) -> axum::Router {
                 if request.uri().path() == "/healthz" || same_secret(given, &key) {
                     next.run(request).await
                 } else {
-                    use axum::response::IntoResponse;
-                    (
+                    refuse(
                         axum::http::StatusCode::UNAUTHORIZED,
-                        axum::Json(serde_json::json!({
-                            "error": "this is a fleet host: send requests to a front (shoal server)"
-                        })),
+                        "this is a fleet host: send requests to a front (shoal server)",
+                        None,
                     )
-                        .into_response()
                 }
             }
         },

@@ -20,10 +20,8 @@
 
 use axum::body::{Body, Bytes};
 use axum::extract::ConnectInfo;
-use axum::http::{header, Extensions, HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::Json;
-use serde_json::json;
+use axum::http::{header, Extensions, HeaderMap, StatusCode};
+use axum::response::Response;
 use shoal_store::{Account, Tier};
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
@@ -300,19 +298,9 @@ fn retry_after_seconds(wait: Duration) -> u32 {
     u32::try_from(seconds.max(1)).unwrap_or(u32::MAX)
 }
 
-fn refusal(status: StatusCode, message: &str, retry_after: Option<u32>) -> Response {
-    let mut response = (status, Json(json!({ "error": message }))).into_response();
-    if let Some(seconds) = retry_after {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-    }
-    response
-}
-
 /// 429 for an address over the failed-authentication limit.
 pub fn address_refused(wait: Duration) -> Response {
-    refusal(
+    crate::refuse(
         StatusCode::TOO_MANY_REQUESTS,
         "too many requests with an invalid API token from this address",
         Some(retry_after_seconds(wait)),
@@ -321,7 +309,7 @@ pub fn address_refused(wait: Duration) -> Response {
 
 /// 429 for an account over its request rate.
 pub fn account_refused(wait: Duration) -> Response {
-    refusal(
+    crate::refuse(
         StatusCode::TOO_MANY_REQUESTS,
         "request rate limit exceeded for this account",
         Some(retry_after_seconds(wait)),
@@ -336,7 +324,7 @@ pub async fn read_bounded(
     limit: usize,
 ) -> Result<Bytes, Response> {
     let too_large = || {
-        refusal(
+        crate::refuse(
             StatusCode::PAYLOAD_TOO_LARGE,
             &format!("request body exceeds {limit} bytes"),
             None,
@@ -354,7 +342,7 @@ pub async fn read_bounded(
         .map_err(|e| match declared {
             // Without a declared length, the limit is what stopped the read.
             None => too_large(),
-            Some(_) => refusal(
+            Some(_) => crate::refuse(
                 StatusCode::BAD_REQUEST,
                 &format!("reading the request body: {e}"),
                 None,

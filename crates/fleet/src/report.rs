@@ -181,12 +181,7 @@ pub async fn fetch_config(
     host_secret: &str,
 ) -> Result<FleetConfig, ReportError> {
     let url = format!("{}/v1/fleet/config", control_plane.trim_end_matches('/'));
-    let request = http.get(&url).bearer_auth(host_secret);
-    send(request, &url)
-        .await?
-        .json()
-        .await
-        .map_err(|source| ReportError::Unreachable { url, source })
+    json_answer(http.get(&url).bearer_auth(host_secret), url).await
 }
 
 /// Joins the fleet as host `name` with a one-time join token: the host's
@@ -202,6 +197,14 @@ pub async fn join(
         name: name.to_owned(),
         join_token: join_token.to_owned(),
     });
+    json_answer(request, url).await
+}
+
+/// [`send`], and the answer's JSON body.
+async fn json_answer<T: serde::de::DeserializeOwned>(
+    request: reqwest::RequestBuilder,
+    url: String,
+) -> Result<T, ReportError> {
     send(request, &url)
         .await?
         .json()

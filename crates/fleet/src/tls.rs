@@ -110,9 +110,11 @@ pub fn client_builder(ca_file: Option<&Path>) -> Result<reqwest::ClientBuilder, 
     Ok(builder)
 }
 
-/// [`client_builder`], built.
+/// [`client_builder`], built; requests are small and sent whole, so
+/// without Nagle's delay.
 pub fn client(ca_file: Option<&Path>) -> Result<reqwest::Client, TlsError> {
     client_builder(ca_file)?
+        .tcp_nodelay(true)
         .build()
         .map_err(|e| TlsError::Invalid {
             path: ca_file.map(Path::to_owned).unwrap_or_default(),

@@ -82,7 +82,8 @@ async fn apps_are_placed_and_then_routed_to_their_host() {
             database_url: url,
             lost_check: Duration::from_secs(3600),
         },
-    );
+    )
+    .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     tokio::spawn(async move {

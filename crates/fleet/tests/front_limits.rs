@@ -98,7 +98,8 @@ impl Fleet {
                 lost_check: Duration::from_secs(3600),
             },
             limits,
-        );
+        )
+        .unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         tokio::spawn(async move {

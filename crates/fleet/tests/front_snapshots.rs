@@ -95,7 +95,8 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
             database_url: url,
             lost_check: Duration::from_secs(3600),
         },
-    );
+    )
+    .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     tokio::spawn(async move {
