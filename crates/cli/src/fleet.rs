@@ -284,7 +284,7 @@ pub struct JoinTokenArgs {
 pub async fn join_token(args: JoinTokenArgs) -> Result<()> {
     let store = Store::connect(&args.database_url).await?;
     let token = store
-        .create_join_token(unix_now(), args.ttl_seconds as f64)
+        .create_join_token(shoal_control::now(), args.ttl_seconds as f64)
         .await?;
     eprintln!(
         "join token (one host, once, within {} s): shoal agent --join-token TOKEN ...",
@@ -308,7 +308,7 @@ pub struct RevokeArgs {
 /// no more work and its sandboxes are `lost`.
 pub async fn revoke(args: RevokeArgs) -> Result<()> {
     let store = Store::connect(&args.database_url).await?;
-    let revoked = store.revoke_host(&args.name, unix_now()).await?;
+    let revoked = store.revoke_host(&args.name, shoal_control::now()).await?;
     crate::up::close_store(store).await;
     match revoked {
         Some(lost) => {
@@ -326,11 +326,4 @@ pub async fn revoke(args: RevokeArgs) -> Result<()> {
         }
         None => bail!("no standing credential for host {}", args.name),
     }
-}
-
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs_f64()
 }

@@ -137,10 +137,6 @@ impl ControlPlane {
     }
 }
 
-/// The status the fleet's front gives the sandboxes of a host silent too
-/// long (`Store::lose_sandboxes_of_stale_hosts`).
-const LOST: &str = "lost";
-
 /// Why the VM of a sandbox whose row is `row` must not run on `host`, if it
 /// must not. A missing row is no reason (see [`ControlPlane::kill_strays`]);
 /// nor is a row without a host (single-host rows from before hosts were
@@ -150,7 +146,9 @@ fn stray_reason(row: Option<&SandboxRow>, host: &str) -> Option<String> {
     match row.status.as_str() {
         status::DELETED => return Some("its sandbox is deleted".into()),
         status::FAILED => return Some("its sandbox has failed".into()),
-        LOST => return Some("its sandbox was marked lost while this host was silent".into()),
+        status::LOST => {
+            return Some("its sandbox was marked lost while this host was silent".into())
+        }
         _ => {}
     }
     match row.host.as_deref() {
@@ -256,7 +254,7 @@ pub async fn reconcile(cp: &ControlPlane) -> ApiResult<()> {
         match cp.host.engine().get(&row.id).await {
             // A `lost` row whose VM could not be killed stays `lost`; and
             // a row marked `lost` since it was read keeps that mark.
-            Ok(_) if row.status == LOST => {}
+            Ok(_) if row.status == status::LOST => {}
             Ok(info) => {
                 let patch = SandboxPatch {
                     status: Some(info.state.as_str().into()),
@@ -450,7 +448,7 @@ mod tests {
             assert_eq!(stray_reason(Some(&row(status, None)), "a"), None);
             assert!(stray_reason(Some(&row(status, Some("b"))), "a").is_some());
         }
-        for status in [status::DELETED, status::FAILED, LOST] {
+        for status in [status::DELETED, status::FAILED, status::LOST] {
             assert!(stray_reason(Some(&row(status, here)), "a").is_some());
             assert!(stray_reason(Some(&row(status, None)), "a").is_some());
         }

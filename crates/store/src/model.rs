@@ -180,6 +180,10 @@ pub mod status {
     pub const RUNNING: &str = "running";
     pub const DELETED: &str = "deleted";
     pub const FAILED: &str = "failed";
+    /// Set by a front for the sandboxes of a host silent too long
+    /// ([`Store::lose_sandboxes_of_stale_hosts`](crate::Store::lose_sandboxes_of_stale_hosts))
+    /// or revoked.
+    pub const LOST: &str = "lost";
 }
 
 /// What the caller decided about a sandbox before it exists.
