@@ -80,6 +80,24 @@ async fn reports_register_then_update(db: Arc<Db>) {
     );
 }
 
+/// A sandbox `id` admitted on `host`.
+fn sandbox_on(id: &str, host: &str) -> NewSandbox {
+    NewSandbox {
+        id: id.into(),
+        template: "base".into(),
+        cpu: 2,
+        memory_mb: 512,
+        metadata: BTreeMap::new(),
+        ttl_seconds: 300,
+        persistent: false,
+        max_lifetime_seconds: None,
+        from_snapshot: None,
+        parent_id: None,
+        tree_id: None,
+        host: Some(host.into()),
+    }
+}
+
 /// Records a placement unconditionally; returns its id.
 async fn add_placement(store: &shoal_store::Store, new: NewPlacement, now: f64) -> String {
     store
@@ -156,20 +174,7 @@ async fn only_stale_hosts_lose_their_sandboxes(db: Arc<Db>) {
     let mut ids = Vec::new();
     for (i, host) in ["gone", "alive", "gone", "alive"].iter().enumerate() {
         let id = format!("sb-{i}");
-        let new = NewSandbox {
-            id: id.clone(),
-            template: "base".into(),
-            cpu: 2,
-            memory_mb: 512,
-            metadata: BTreeMap::new(),
-            ttl_seconds: 300,
-            persistent: false,
-            max_lifetime_seconds: None,
-            from_snapshot: None,
-            parent_id: None,
-            tree_id: None,
-            host: Some(host.to_string()),
-        };
+        let new = sandbox_on(&id, host);
         store
             .admit_sandbox(&account, &new, &limits, T0)
             .await
@@ -332,20 +337,7 @@ async fn a_live_name_cannot_be_joined_again_and_revoking_loses_sandboxes(db: Arc
         concurrent: 100,
         creates_per_hour: 100,
     };
-    let new = NewSandbox {
-        id: "sb-on-a".into(),
-        template: "base".into(),
-        cpu: 2,
-        memory_mb: 512,
-        metadata: BTreeMap::new(),
-        ttl_seconds: 300,
-        persistent: false,
-        max_lifetime_seconds: None,
-        from_snapshot: None,
-        parent_id: None,
-        tree_id: None,
-        host: Some("a".into()),
-    };
+    let new = sandbox_on("sb-on-a", "a");
     store
         .admit_sandbox(&account, &new, &limits, T0)
         .await
