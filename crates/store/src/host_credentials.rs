@@ -119,8 +119,17 @@ impl Store {
 
     /// Cuts a host off: its credential stops authenticating, it is stale at
     /// once and its live sandboxes are `lost`. Returns their ids, or `None`
-    /// when the host has no standing credential.
+    /// when the host has no standing credential. Its database role, if it
+    /// has one, is disabled and its sessions ended.
     pub async fn revoke_host(&self, host_id: &str, now: f64) -> Result<Option<Vec<String>>> {
+        let lost = self.revoke_credential(host_id, now).await?;
+        if lost.is_some() {
+            self.disable_host_role(host_id).await?;
+        }
+        Ok(lost)
+    }
+
+    async fn revoke_credential(&self, host_id: &str, now: f64) -> Result<Option<Vec<String>>> {
         on_writer!(self, pool => {
             let mut tx = pool.begin().await?;
             let revoked = sqlx::query(REVOKE)

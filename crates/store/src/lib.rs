@@ -30,6 +30,7 @@
 mod accounts;
 mod apps;
 mod host_credentials;
+mod host_roles;
 mod hosts;
 mod migrate;
 mod model;
@@ -51,6 +52,7 @@ use sqlx::sqlite::{
 
 pub use accounts::{bearer_token, token_hash};
 pub use host_credentials::JoinRefusal;
+pub use host_roles::host_database_url;
 pub use hosts::PLACEMENT_TIMEOUT_SECONDS;
 pub use model::*;
 pub use sweeps::{measure_claims, ClaimRate};
@@ -87,6 +89,10 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
     #[error("migrating the schema")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A host opened a database whose schema is older than it needs (hosts
+    /// do not migrate: the fronts do).
+    #[error("the database's schema is at version {found}, this binary needs {needed}: upgrade and restart the fronts (`shoal server`) first")]
+    SchemaBehind { found: i64, needed: i64 },
 }
 
 /// What `shoal_store::Error` names: [`StoreError`].
@@ -150,8 +156,19 @@ impl Store {
     /// `sqlite://PATH` or a bare path is an SQLite file, created with its
     /// parent directory if missing.
     pub async fn connect(url: &str) -> Result<Store> {
+        Store::open(url, Migrate::Yes).await
+    }
+
+    /// Opens the database as a fleet's host does: with the role the front
+    /// gave it, which may not change the schema, so the schema is checked
+    /// instead of migrated. An SQLite file is opened as by [`Store::connect`].
+    pub async fn connect_as_host(url: &str) -> Result<Store> {
+        Store::open(url, Migrate::No).await
+    }
+
+    async fn open(url: &str, migrate: Migrate) -> Result<Store> {
         let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            connect_postgres(url).await?
+            connect_postgres(url, migrate).await?
         } else {
             let path = url
                 .strip_prefix("sqlite://")
@@ -273,7 +290,14 @@ async fn connect_sqlite(path: &Path) -> Result<Backend> {
     Ok(Backend::Sqlite { read, write })
 }
 
-async fn connect_postgres(url: &str) -> Result<Backend> {
+/// Whether opening a PostgreSQL store brings its schema up to date.
+#[derive(Clone, Copy, PartialEq)]
+enum Migrate {
+    Yes,
+    No,
+}
+
+async fn connect_postgres(url: &str, migrate: Migrate) -> Result<Backend> {
     let options: PgConnectOptions = url.parse()?;
     let pool = PgPoolOptions::new()
         .max_connections(PG_CONNECTIONS)
@@ -285,6 +309,9 @@ async fn connect_postgres(url: &str) -> Result<Backend> {
         .test_before_acquire(false)
         .connect_with(options)
         .await?;
-    migrate::run_postgres(&pool).await?;
+    match migrate {
+        Migrate::Yes => migrate::run_postgres(&pool).await?,
+        Migrate::No => migrate::check_postgres(&pool).await?,
+    }
     Ok(Backend::Postgres(pool))
 }

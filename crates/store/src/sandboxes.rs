@@ -4,9 +4,10 @@
 //! Admission is the one place where the backends differ. SQLite takes the
 //! database write lock up front (`BEGIN IMMEDIATE`; in this process the single
 //! writer connection already serialises writes, the lock keeps other
-//! processes out too). PostgreSQL locks the account's row (`FOR UPDATE`), so
-//! admissions of one account run one at a time and those of different
-//! accounts in parallel. Either way the counts read inside the transaction
+//! processes out too). PostgreSQL takes a transaction lock named after the
+//! account (an advisory lock: a host's database role may not lock rows of
+//! `accounts` for update), so admissions of one account run one at a time
+//! and those of different accounts in parallel. Either way the counts read inside the transaction
 //! cannot change before the insert commits.
 
 use crate::row::{self, sandbox_columns, signed, Column};
@@ -27,7 +28,8 @@ macro_rules! live {
 const HOUR: f64 = 3600.0;
 
 const LOCK_ACCOUNT_SQLITE: &str = "SELECT id FROM accounts WHERE id = $1";
-const LOCK_ACCOUNT_POSTGRES: &str = "SELECT id FROM accounts WHERE id = $1 FOR UPDATE";
+const LOCK_ACCOUNT_POSTGRES: &str =
+    "SELECT pg_advisory_xact_lock(hashtextextended('shoal account ' || $1::BIGINT, 0))";
 
 const INSERT: &str = "INSERT INTO sandboxes (id, account_id, template, cpu, memory_mb, metadata, \
      ttl_seconds, persistent, max_lifetime_seconds, from_snapshot, parent_id, tree_id, status, \

@@ -21,6 +21,7 @@ cases!(
     two_fronts_placing_at_once_never_overfill_a_host,
     a_join_token_is_spent_once_and_a_credential_speaks_for_its_host,
     a_live_name_cannot_be_joined_again_and_revoking_loses_sandboxes,
+    a_host_role_reads_no_credentials_and_writes_only_its_own_rows,
 );
 
 fn report(id: &str) -> HostReport {
@@ -387,4 +388,115 @@ async fn a_live_name_cannot_be_joined_again_and_revoking_loses_sandboxes(db: Arc
         store.host_of_secret(&renewed).await.unwrap().as_deref(),
         Some("a")
     );
+}
+
+/// What a host's database role may do (migrations/postgres/0009): on a real
+/// PostgreSQL, it reads no credential and writes only its own host's rows;
+/// revoking the host closes its role. SQLite has no roles to give.
+async fn a_host_role_reads_no_credentials_and_writes_only_its_own_rows(db: Arc<Db>) {
+    let store = &db.store;
+    let password = "p".repeat(40);
+    let Some(role) = store.ensure_host_role("a", &password).await.unwrap() else {
+        assert_eq!(store.backend(), "sqlite");
+        return;
+    };
+    // Made again (a restarted agent fetching its configuration): the same role.
+    assert_eq!(
+        store.ensure_host_role("a", &password).await.unwrap(),
+        Some(role.clone())
+    );
+    let account_token = store.create_token("tenant", Tier::Team).await.unwrap();
+    let account = store.authenticate(&account_token).await.unwrap().unwrap();
+    store.create_join_token(T0, 3600.0).await.unwrap();
+    let limits = TierLimits {
+        concurrent: 100,
+        creates_per_hour: 100,
+    };
+    store
+        .admit_sandbox(&account, &sandbox_on("sb-on-b", "b"), &limits, T0)
+        .await
+        .unwrap();
+
+    let url = shoal_store::host_database_url(&db.url, &role, &password).unwrap();
+    let host = shoal_store::Store::connect_as_host(&url).await.unwrap();
+    let mut raw = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    let denied = |e: sqlx::Error| match e {
+        sqlx::Error::Database(e) => e.code().as_deref() == Some("42501"),
+        _ => false,
+    };
+    for table in ["tokens", "join_tokens", "host_credentials", "host_roles"] {
+        let read = sqlx::query(&format!("SELECT * FROM {table}"))
+            .fetch_all(&mut raw)
+            .await;
+        assert!(read.is_err_and(denied), "a host read {table}");
+    }
+    assert!(
+        sqlx::query("UPDATE accounts SET tier = 'team'")
+            .execute(&mut raw)
+            .await
+            .is_err_and(denied),
+        "a host changed a tier"
+    );
+    assert!(
+        sqlx::query("UPDATE hosts SET url = 'http://evil' WHERE id = 'b'")
+            .execute(&mut raw)
+            .await
+            .is_err_and(denied),
+        "a host wrote the hosts table"
+    );
+    // Another host's sandbox: readable (listings are answered by any
+    // agent), but an update or delete reaches no row, and no row may be
+    // made or moved onto another host.
+    assert!(host.sandbox_by_id("sb-on-b").await.unwrap().is_some());
+    let moved = sqlx::query("UPDATE sandboxes SET status = 'deleted' WHERE id = 'sb-on-b'")
+        .execute(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(moved.rows_affected(), 0);
+    let gone = sqlx::query("DELETE FROM sandboxes WHERE id = 'sb-on-b'")
+        .execute(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(gone.rows_affected(), 0);
+    assert_eq!(
+        store
+            .sandbox_by_id("sb-on-b")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        "creating"
+    );
+    let forged = host
+        .admit_sandbox(&account, &sandbox_on("sb-forged", "b"), &limits, T0)
+        .await;
+    assert!(forged.is_err(), "a host made a row on another host");
+    // Its own rows it makes and changes, through the store as agents do.
+    host.admit_sandbox(&account, &sandbox_on("sb-on-a", "a"), &limits, T0)
+        .await
+        .unwrap();
+    let patch = SandboxPatch {
+        status: Some("running".into()),
+        ..SandboxPatch::default()
+    };
+    assert!(host.update_sandbox("sb-on-a", patch.clone()).await.unwrap());
+    assert!(!host.update_sandbox("sb-on-b", patch).await.unwrap());
+    let stolen = sqlx::query("UPDATE sandboxes SET host = 'b' WHERE id = 'sb-on-a'")
+        .execute(&mut raw)
+        .await;
+    assert!(stolen.is_err(), "a host moved its row onto another host");
+    drop(raw);
+    host.close().await;
+
+    // Revoked: the role logs in no more.
+    let secret_token = store.create_join_token(T0, 3600.0).await.unwrap();
+    store
+        .join_host(&secret_token, "a", T0, T0 - 30.0)
+        .await
+        .unwrap()
+        .unwrap();
+    store.revoke_host("a", T0 + 1.0).await.unwrap().unwrap();
+    assert!(shoal_store::Store::connect_as_host(&url).await.is_err());
 }
