@@ -85,9 +85,12 @@ pub async fn server(args: ServerArgs) -> Result<()> {
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     let tls = args.tls.server_config(listener.local_addr()?).await?;
-    let store = Store::connect(&args.database_url)
-        .await
-        .with_context(|| format!("opening the database {}", args.database_url))?;
+    let store = Store::connect(&args.database_url).await.with_context(|| {
+        format!(
+            "opening the database {}",
+            crate::up::redacted(&args.database_url)
+        )
+    })?;
     let mut limits = shoal_fleet::limits::FrontLimits {
         failed_auth_limit: args.bad_token_limit,
         ..Default::default()

@@ -239,11 +239,19 @@ pub struct HostServe<'a> {
 pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     let args = serve.args;
     let host = open_host(args).await?;
-    let store = Store::connect(&serve.database_url)
-        .await
-        .with_context(|| format!("opening the database {}", serve.database_url))?;
+    // A fleet's agent opens the database with its own role, which may not
+    // migrate the schema (the fronts do) nor read tokens (fronts name the
+    // caller's account instead).
+    let fleet_agent = serve.only_fronts.is_some();
+    let store = if fleet_agent {
+        Store::connect_as_host(&serve.database_url).await
+    } else {
+        Store::connect(&serve.database_url).await
+    }
+    .with_context(|| format!("opening the database {}", redacted(&serve.database_url)))?;
     let mut config = ControlConfig {
         host_name: serve.host_name,
+        account_header: fleet_agent.then_some(shoal_fleet::ACCOUNT_HEADER),
         ..ControlConfig::default()
     };
     config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
@@ -304,6 +312,17 @@ pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
         );
     }
     Ok(host)
+}
+
+/// A database URL fit for a message: without its password.
+pub(crate) fn redacted(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.into()
+        }
+        _ => url.to_owned(),
+    }
 }
 
 /// Closes the database pool, but does not let a database that went away

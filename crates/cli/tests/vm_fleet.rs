@@ -15,7 +15,9 @@
 //!   host's id is 403; a second agent under a live name is refused; a
 //!   tenant request straight to an agent is 401; a sandbox reaches no
 //!   agent port and not PostgreSQL; `shoal host revoke` makes the host's
-//!   sandboxes `lost`, refuses its next heartbeat, and its VMs go;
+//!   sandboxes `lost`, refuses its next heartbeat, and its VMs go; the
+//!   database URL a host is handed logs in as a role of its own, which
+//!   cannot read the token table nor write another host's sandbox;
 //! - all of it over HTTPS (front and agents, certificates made by the test,
 //!   the CA pinned by the front, the agents, the test and the SDK).
 //!
@@ -435,6 +437,48 @@ fn three_hosts_spread_lose_one_and_fill_up() {
         eprintln!("FIGURE 30 creates over three hosts: {spread:?}");
         assert_eq!(spread.len(), HOSTS, "{spread:?}");
         assert!(spread.values().all(|&n| n <= 15), "{spread:?}");
+        // A host holds no database credential of the fronts': the one it
+        // is handed logs in as its own role, which reads no token and
+        // writes no other host's row.
+        let config: Value = http
+            .get(format!("{front_url}/v1/fleet/config"))
+            .bearer_auth(&host_secret)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let host_db = config["database_url"].as_str().unwrap();
+        assert!(
+            host_db.starts_with("postgres://shoal_host_") && !host_db.contains(FLEET_TOKEN),
+            "{host_db}"
+        );
+        let as_host_1 = shoal_store::Store::connect_as_host(host_db).await.unwrap();
+        let read_tokens = as_host_1.authenticate(&token).await;
+        assert!(
+            read_tokens.is_err(),
+            "host-1's database role read the token table: {read_tokens:?}"
+        );
+        let (elsewhere, _) = placed.iter().find(|(_, h)| *h != "host-1").unwrap();
+        let closed = shoal_store::SandboxPatch {
+            status: Some("deleted".into()),
+            ..Default::default()
+        };
+        assert!(
+            !as_host_1.update_sandbox(elsewhere, closed).await.unwrap(),
+            "host-1's role wrote another host's sandbox"
+        );
+        assert_eq!(
+            store
+                .sandbox_by_id(elsewhere)
+                .await
+                .unwrap()
+                .unwrap()
+                .status,
+            "running"
+        );
+        as_host_1.close().await;
         // Requests about a sandbox reach its host.
         let (status, _, answer) = api
             .call(

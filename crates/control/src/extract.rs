@@ -18,7 +18,8 @@ use std::sync::Arc;
 /// JSON request bodies larger than this are refused with 413.
 pub const MAX_JSON_BODY: usize = 1 << 20;
 
-/// The account whose bearer token came with the request.
+/// The account whose bearer token came with the request (or, on a fleet's
+/// agent, the one the front named).
 pub struct Caller(pub Account);
 
 impl FromRequestParts<Arc<ControlPlane>> for Caller {
@@ -27,6 +28,19 @@ impl FromRequestParts<Arc<ControlPlane>> for Caller {
     async fn from_request_parts(parts: &mut Parts, state: &Arc<ControlPlane>) -> ApiResult<Self> {
         let unauthorized =
             || ApiError::new(StatusCode::UNAUTHORIZED, "missing or invalid API token");
+        if let Some(header) = state.config.account_header {
+            let id = parts
+                .headers
+                .get(header)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<i64>().ok())
+                .ok_or_else(unauthorized)?;
+            return state
+                .account_named_by_front(id)
+                .await?
+                .map(Caller)
+                .ok_or_else(unauthorized);
+        }
         let token = parts
             .headers
             .get(header::AUTHORIZATION)

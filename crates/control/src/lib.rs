@@ -49,6 +49,11 @@ pub const OPENAPI: &str = include_str!("../../../docs/api/openapi.json");
 pub struct ControlConfig {
     /// Name of the host its sandboxes run on (recorded in their rows).
     pub host_name: String,
+    /// On a fleet's agent, the header in which fronts name the caller's
+    /// account (`shoal_fleet::ACCOUNT_HEADER`): the front checked the token
+    /// and only fronts reach an agent, so the host never reads the token
+    /// table, which its database role may not. `None`: the bearer token.
+    pub account_header: Option<&'static str>,
     pub limits: HashMap<Tier, TierLimits>,
     pub volume_limits: HashMap<Tier, VolumeLimits>,
     pub snapshot_limits: HashMap<Tier, SnapshotLimits>,
@@ -61,6 +66,7 @@ impl Default for ControlConfig {
     fn default() -> Self {
         ControlConfig {
             host_name: "local".into(),
+            account_header: None,
             limits: [Tier::Free, Tier::Pro, Tier::Team]
                 .into_iter()
                 .map(|t| (t, TierLimits::default_for(t)))
@@ -140,6 +146,24 @@ impl ControlPlane {
             }
         }
         let account = self.store.authenticate(token).await?;
+        if let Some(account) = &account {
+            self.tokens
+                .lock()
+                .unwrap()
+                .insert(key, (account.clone(), Instant::now()));
+        }
+        Ok(account)
+    }
+
+    /// The account a front vouched for, by id, from the same short cache.
+    async fn account_named_by_front(&self, id: i64) -> ApiResult<Option<Account>> {
+        let key = format!("front:{id}");
+        if let Some((account, at)) = self.tokens.lock().unwrap().get(&key) {
+            if at.elapsed() < TOKEN_CACHE_TTL {
+                return Ok(Some(account.clone()));
+            }
+        }
+        let account = self.store.account_by_id(id).await?;
         if let Some(account) = &account {
             self.tokens
                 .lock()

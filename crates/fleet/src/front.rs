@@ -441,6 +441,7 @@ impl Front {
     /// held), with the key that proves to that host a front sent it.
     async fn forward(
         &self,
+        account: Option<i64>,
         host_id: &str,
         base: &str,
         method: Method,
@@ -451,9 +452,17 @@ impl Front {
         let path = uri.path_and_query().map_or("/", |p| p.as_str());
         let mut request = self.http.request(method, format!("{base}{path}"));
         for (name, value) in headers {
-            if !hop_by_hop(name) && name.as_str() != crate::FRONT_KEY_HEADER {
+            if !hop_by_hop(name)
+                && name.as_str() != crate::FRONT_KEY_HEADER
+                && name.as_str() != crate::ACCOUNT_HEADER
+            {
                 request = request.header(name, value);
             }
+        }
+        // The agent takes the caller from here, not from the token (it may
+        // not read the token table); a client's own header never passes.
+        if let Some(account) = account {
+            request = request.header(crate::ACCOUNT_HEADER, account.to_string());
         }
         request = request.header(
             crate::FRONT_KEY_HEADER,
@@ -483,6 +492,7 @@ impl Front {
     /// reached.
     async fn forward_to_any(
         &self,
+        account: Option<i64>,
         method: Method,
         uri: &Uri,
         headers: &HeaderMap,
@@ -502,6 +512,7 @@ impl Front {
             let host = live[(first + i) % live.len()];
             match self
                 .forward(
+                    account,
                     &host.report.id,
                     &host.report.url,
                     method.clone(),
@@ -563,13 +574,25 @@ fn host_unauthorized(why: &str) -> Response {
 }
 
 impl Front {
-    fn fleet_config(&self, host_id: &str) -> FleetConfig {
-        FleetConfig {
-            database_url: self.config.database_url.clone(),
+    /// What host `host_id` is told: its front key and a database URL with
+    /// a role of its own (made or enabled now), never the fronts' own
+    /// credentials; an SQLite fleet (one machine, tests) shares its file.
+    async fn fleet_config(&self, host_id: &str) -> Result<FleetConfig, Response> {
+        let password = crate::database_password(&self.config.fleet_token, host_id);
+        let database_url = match self.store.ensure_host_role(host_id, &password).await {
+            Ok(Some(role)) => {
+                shoal_store::host_database_url(&self.config.database_url, &role, &password)
+                    .map_err(database_error)?
+            }
+            Ok(None) => self.config.database_url.clone(),
+            Err(e) => return Err(database_error(e)),
+        };
+        Ok(FleetConfig {
+            database_url,
             front_key: crate::front_key(&self.config.fleet_token, host_id),
             heartbeat_interval_s: HEARTBEAT_INTERVAL.as_secs(),
             stale_after_s: STALE_AFTER.as_secs(),
-        }
+        })
     }
 }
 
@@ -601,11 +624,14 @@ async fn join(State(front): St, body: Bytes) -> Response {
     {
         Ok(Ok(host_secret)) => {
             tracing::info!(host = request.name, "host joined the fleet");
-            Json(Joined {
-                host_secret,
-                config: front.fleet_config(&request.name),
-            })
-            .into_response()
+            match front.fleet_config(&request.name).await {
+                Ok(config) => Json(Joined {
+                    host_secret,
+                    config,
+                })
+                .into_response(),
+                Err(response) => response,
+            }
         }
         Ok(Err(JoinRefusal::BadToken)) => refuse(
             StatusCode::UNAUTHORIZED,
@@ -676,7 +702,10 @@ async fn heartbeat(State(front): St, headers: HeaderMap, body: Bytes) -> Respons
 /// What a joined host starts with (its credential names it).
 async fn config(State(front): St, headers: HeaderMap) -> Response {
     match calling_host(&front, &headers).await {
-        Ok(host_id) => Json(front.fleet_config(&host_id)).into_response(),
+        Ok(host_id) => match front.fleet_config(&host_id).await {
+            Ok(config) => Json(config).into_response(),
+            Err(response) => response,
+        },
         Err(response) => response,
     }
 }
@@ -727,7 +756,15 @@ async fn create(State(front): St, request: Request) -> Response {
         Err(response) => return response,
     };
     let answer = front
-        .forward(&host_id, &url, method, &uri, &headers, body.into())
+        .forward(
+            Some(account.id),
+            &host_id,
+            &url,
+            method,
+            &uri,
+            &headers,
+            body.into(),
+        )
         .await;
     let created = matches!(&answer, Ok(response) if response.status().is_success());
     let done = if created {
@@ -764,8 +801,17 @@ async fn about_sandbox(
         Err(e) => return database_error(e),
     };
     let whole_row = !params.contains_key("rest");
+    if whole_row && parts.method == Method::DELETE {
+        match front.live_host(home.as_deref()).await {
+            Ok(Some(_)) => {}
+            // No other host may write the row of a gone one (its database
+            // role is confined to its own rows): the front closes it.
+            Ok(None) => return front.delete_orphan(&id).await,
+            Err(response) => return response,
+        }
+    }
     front
-        .forward_home(home.as_deref(), whole_row, parts, body)
+        .forward_home(account.id, home.as_deref(), whole_row, parts, body)
         .await
 }
 
@@ -785,7 +831,7 @@ async fn about_snapshot(State(front): St, Path(id): Path<String>, request: Reque
     };
     let readable = parts.method == Method::GET;
     front
-        .forward_home(home.as_deref(), readable, parts, body)
+        .forward_home(account.id, home.as_deref(), readable, parts, body)
         .await
 }
 
@@ -809,35 +855,57 @@ async fn about_app(
     };
     let whole_row = !params.contains_key("rest");
     front
-        .forward_home(home.as_deref(), whole_row, parts, body)
+        .forward_home(account.id, home.as_deref(), whole_row, parts, body)
         .await
 }
 
 impl Front {
+    /// `home`'s row, when that host is live.
+    async fn live_host(&self, home: Option<&str>) -> Result<Option<HostRow>, Response> {
+        let hosts = self.routing_view().await?;
+        let at = now();
+        Ok(home
+            .and_then(|name| hosts.iter().find(|h| h.report.id == name))
+            .filter(|h| is_live(h, at))
+            .cloned())
+    }
+
+    /// Deletes the row of a sandbox whose host is gone (its VM went with
+    /// it, or is killed when the host comes back: `lost`).
+    async fn delete_orphan(&self, id: &str) -> Response {
+        let patch = shoal_store::SandboxPatch {
+            status: Some(shoal_store::status::DELETED.into()),
+            deleted_at: Some(now()),
+            ..Default::default()
+        };
+        match self.store.update_sandbox(id, patch).await {
+            Ok(_) => StatusCode::NO_CONTENT.into_response(),
+            Err(e) => database_error(e),
+        }
+    }
+
     /// Forwards a request about one object to `home`, the host in its row.
     /// When that host is stale, a GET or DELETE of the `whole_row` still
     /// works (any live agent answers from the database); anything else is
     /// 503 `sandbox host unavailable`.
     async fn forward_home(
         &self,
+        account: i64,
         home: Option<&str>,
         whole_row: bool,
         parts: axum::http::request::Parts,
         body: Body,
     ) -> Response {
-        let hosts = match self.routing_view().await {
-            Ok(hosts) => hosts,
+        let home = match self.live_host(home).await {
+            Ok(home) => home,
             Err(response) => return response,
         };
-        let at = now();
-        let home = home
-            .and_then(|name| hosts.iter().find(|h| h.report.id == name))
-            .filter(|h| is_live(h, at));
         match home {
             Some(host) => {
                 let body = reqwest::Body::wrap_stream(body.into_data_stream());
                 match self
                     .forward(
+                        Some(account),
                         &host.report.id,
                         &host.report.url,
                         parts.method,
@@ -860,8 +928,14 @@ impl Front {
                     Ok(body) => body,
                     Err(_) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, "body too large", None),
                 };
-                self.forward_to_any(parts.method, &parts.uri, &parts.headers, body)
-                    .await
+                self.forward_to_any(
+                    Some(account),
+                    parts.method,
+                    &parts.uri,
+                    &parts.headers,
+                    body,
+                )
+                .await
             }
             None => host_unavailable(),
         }
@@ -894,9 +968,10 @@ fn volume_names(body: &serde_json::Value) -> Vec<String> {
 
 async fn create_volume(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    if let Err(response) = front.caller(&parts).await {
-        return response;
-    }
+    let account = match front.caller(&parts).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
     let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
         Ok(body) => body,
         Err(response) => return response,
@@ -907,7 +982,15 @@ async fn create_volume(State(front): St, request: Request) -> Response {
         Err(response) => return response,
     };
     match front
-        .forward(&host_id, &url, method, &uri, &headers, body.into())
+        .forward(
+            Some(account.id),
+            &host_id,
+            &url,
+            method,
+            &uri,
+            &headers,
+            body.into(),
+        )
         .await
     {
         Ok(response) => response,
@@ -954,6 +1037,7 @@ async fn about_volume(State(front): St, Path(name): Path<String>, request: Reque
     match home {
         Some(host) => front
             .forward(
+                Some(account.id),
                 &host.report.id,
                 &host.report.url,
                 method,
@@ -966,7 +1050,11 @@ async fn about_volume(State(front): St, Path(name): Path<String>, request: Reque
                 tracing::warn!(host = host.report.id, error = %e, "volume host unreachable");
                 volume_host_unavailable()
             }),
-        None if method == Method::GET => front.forward_to_any(method, &uri, &headers, body).await,
+        None if method == Method::GET => {
+            front
+                .forward_to_any(Some(account.id), method, &uri, &headers, body)
+                .await
+        }
         None => volume_host_unavailable(),
     }
 }
@@ -976,17 +1064,20 @@ async fn about_volume(State(front): St, Path(name): Path<String>, request: Reque
 /// go without one); the body is held up to `limits::FORWARDED_BODY_MAX`.
 async fn elsewhere(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    if !limits::is_open(parts.uri.path()) {
-        if let Err(response) = front.caller(&parts).await {
-            return response;
+    let account = if limits::is_open(parts.uri.path()) {
+        None
+    } else {
+        match front.caller(&parts).await {
+            Ok(account) => Some(account.id),
+            Err(response) => return response,
         }
-    }
+    };
     let body = match limits::read_bounded(&parts.headers, body, limits::FORWARDED_BODY_MAX).await {
         Ok(body) => body,
         Err(response) => return response,
     };
     front
-        .forward_to_any(parts.method, &parts.uri, &parts.headers, body)
+        .forward_to_any(account, parts.method, &parts.uri, &parts.headers, body)
         .await
 }
 

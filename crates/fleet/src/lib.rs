@@ -77,14 +77,33 @@ fn same_secret(given: &str, expected: &str) -> bool {
 /// The header a front proves itself with on every request to an agent.
 pub const FRONT_KEY_HEADER: &str = "x-shoal-front-key";
 
+/// The header in which a front names the account it authenticated when it
+/// forwards a request to an agent; agents take the caller from it
+/// (`ControlConfig::account_header`) and read no token. A client's own
+/// header of this name is dropped by the front.
+pub const ACCOUNT_HEADER: &str = "x-shoal-account";
+
 /// The key fronts present to host `host_id`: HMAC-SHA256 of the id under
 /// the fronts' secret. Each agent learns only its own, so a host that is
 /// broken into cannot pass for a front to any other host.
 pub fn front_key(fleet_token: &str, host_id: &str) -> String {
+    host_key(fleet_token, "shoal front-to-host key", host_id)
+}
+
+/// The password of host `host_id`'s database role (see
+/// `shoal_store::Store::ensure_host_role`): derived like [`front_key`], so
+/// fronts need not store it and any front hands the same one out.
+pub fn database_password(fleet_token: &str, host_id: &str) -> String {
+    host_key(fleet_token, "shoal host database password", host_id)
+}
+
+/// HMAC-SHA256 of `purpose` and the host id under the fronts' secret, in hex.
+fn host_key(fleet_token: &str, purpose: &str, host_id: &str) -> String {
     use hmac::Mac;
     let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(fleet_token.as_bytes())
         .expect("HMAC takes a key of any length");
-    mac.update(b"shoal front-to-host key\0");
+    mac.update(purpose.as_bytes());
+    mac.update(b"\0");
     mac.update(host_id.as_bytes());
     hex::encode(mac.finalize().into_bytes())
 }

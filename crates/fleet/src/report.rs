@@ -163,10 +163,27 @@ impl Reporter {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut cut_off = false;
             loop {
                 tick.tick().await;
-                if let Err(e) = self.beat().await {
-                    tracing::warn!(error = %e, "heartbeat");
+                match self.beat().await {
+                    Ok(()) => cut_off = false,
+                    // Revoked (`shoal host revoke`): the fleet has marked this
+                    // host's sandboxes lost and its database role no longer
+                    // logs in, so nothing here may go on running them.
+                    Err(ReportError::Refused { status, body })
+                        if status == reqwest::StatusCode::UNAUTHORIZED =>
+                    {
+                        tracing::warn!(body, "heartbeat refused");
+                        if !cut_off {
+                            cut_off = true;
+                            tracing::error!(
+                                "this host's credential is not accepted (revoked?): stopping its VMs"
+                            );
+                            self.host.engine().kill_all().await;
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "heartbeat"),
                 }
             }
         });
