@@ -854,9 +854,25 @@ async fn about_app(
         Err(e) => return database_error(e),
     };
     let whole_row = !params.contains_key("rest");
-    front
+    if whole_row && parts.method == Method::DELETE {
+        match front.live_host(home.as_deref()).await {
+            Ok(Some(_)) => {}
+            // As for a sandbox: no other host may write the app's row.
+            Ok(None) => {
+                return match front.store.delete_app(account.id, &id, now()).await {
+                    Ok(true) => StatusCode::NO_CONTENT.into_response(),
+                    Ok(false) => refuse(StatusCode::NOT_FOUND, "app not found", None),
+                    Err(e) => database_error(e),
+                }
+            }
+            Err(response) => return response,
+        }
+    }
+    let path = parts.uri.path().to_owned();
+    let answer = front
         .forward_home(account.id, home.as_deref(), whole_row, parts, body)
-        .await
+        .await;
+    front.with_stored_env(account.id, &path, answer).await
 }
 
 impl Front {
@@ -1076,14 +1092,146 @@ async fn elsewhere(State(front): St, request: Request) -> Response {
         Ok(body) => body,
         Err(response) => return response,
     };
-    front
+    let answer = front
         .forward_to_any(account, parts.method, &parts.uri, &parts.headers, body)
-        .await
+        .await;
+    match account {
+        Some(account) => {
+            front
+                .with_stored_env(account, parts.uri.path(), answer)
+                .await
+        }
+        None => answer,
+    }
+}
+
+/// The objects whose views carry a tenant's `env`, which an agent's
+/// database role may not read for work it does not run.
+#[derive(Clone, Copy)]
+enum EnvView {
+    Sweep,
+    App,
+}
+
+impl EnvView {
+    /// Which kind of view `path` answers with, if it carries an env:
+    /// `/v1/sweeps[/{id}[/cancel|/requeue]]` and `/v1/apps[/{id}]` (never
+    /// cells, and never an app's proxied traffic).
+    fn of(path: &str) -> Option<EnvView> {
+        let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+        match segments.as_slice() {
+            ["", "v1", "sweeps"] | ["", "v1", "sweeps", _] => Some(EnvView::Sweep),
+            ["", "v1", "sweeps", _, "cancel" | "requeue"] => Some(EnvView::Sweep),
+            ["", "v1", "apps"] | ["", "v1", "apps", _] => Some(EnvView::App),
+            _ => None,
+        }
+    }
+
+    fn list_key(self) -> &'static str {
+        match self {
+            EnvView::Sweep => "sweeps",
+            EnvView::App => "apps",
+        }
+    }
+}
+
+/// Largest view of sweeps or apps the front reads to fill envs in.
+const ENV_VIEW_MAX: usize = 64 << 20;
+
+impl Front {
+    /// An agent's answer with each sweep's or app's `env` as stored: the
+    /// agent's role sees `{}` for work it does not run (migrations/postgres/
+    /// 0010), the front's own role reads it.
+    async fn with_stored_env(&self, account: i64, path: &str, answer: Response) -> Response {
+        let Some(kind) = EnvView::of(path) else {
+            return answer;
+        };
+        let json = answer
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/json"));
+        if !answer.status().is_success() || !json {
+            return answer;
+        }
+        let (mut parts, body) = answer.into_parts();
+        let Ok(bytes) = axum::body::to_bytes(body, ENV_VIEW_MAX).await else {
+            return refuse(
+                StatusCode::BAD_GATEWAY,
+                "the host's answer is too large",
+                None,
+            );
+        };
+        let Ok(mut view) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+            return Response::from_parts(parts, Body::from(bytes));
+        };
+        let objects: Vec<&mut serde_json::Value> = match view.get(kind.list_key()) {
+            Some(serde_json::Value::Array(_)) => view[kind.list_key()]
+                .as_array_mut()
+                .map(|list| list.iter_mut().collect())
+                .unwrap_or_default(),
+            _ => vec![&mut view],
+        };
+        for object in objects {
+            let Some(id) = object.get("id").and_then(|v| v.as_str()).map(str::to_owned) else {
+                continue;
+            };
+            if object.get("env").is_none() {
+                continue;
+            }
+            let stored = match kind {
+                EnvView::Sweep => self
+                    .store
+                    .get_sweep(account, &id)
+                    .await
+                    .map(|row| row.map(|row| row.env)),
+                EnvView::App => self
+                    .store
+                    .get_app(account, &id)
+                    .await
+                    .map(|row| row.map(|row| row.config.env)),
+            };
+            match stored {
+                Ok(Some(env)) => object["env"] = json!(env),
+                Ok(None) => {}
+                Err(e) => return database_error(e),
+            }
+        }
+        let filled = serde_json::to_vec(&view).unwrap_or_else(|_| bytes.to_vec());
+        parts.headers.remove(header::CONTENT_LENGTH);
+        Response::from_parts(parts, Body::from(filled))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_views_of_sweeps_and_apps_get_their_env_filled() {
+        let kind = |path| EnvView::of(path).map(EnvView::list_key);
+        for path in [
+            "/v1/sweeps",
+            "/v1/sweeps/",
+            "/v1/sweeps/sw-1",
+            "/v1/sweeps/sw-1/cancel",
+        ] {
+            assert_eq!(kind(path), Some("sweeps"), "{path}");
+        }
+        assert_eq!(kind("/v1/sweeps/sw-1/requeue"), Some("sweeps"));
+        assert_eq!(kind("/v1/apps"), Some("apps"));
+        assert_eq!(kind("/v1/apps/app-1"), Some("apps"));
+        for path in [
+            "/v1/sweeps/sw-1/cells",
+            "/v1/sweeps/sw-1/cells/3",
+            "/v1/apps/app-1/proxy",
+            "/v1/apps/app-1/proxy/sweeps",
+            "/v1/sandboxes",
+            "/v1/usage",
+        ] {
+            assert_eq!(kind(path), None, "{path}");
+        }
+    }
 
     #[test]
     fn a_create_names_its_volumes_in_its_body() {

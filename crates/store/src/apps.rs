@@ -9,31 +9,35 @@
 use crate::row::{self, app_columns, signed};
 use crate::sandboxes::already_exists;
 use crate::{
-    app_status, on_reader, on_writer, AppConfigPatch, AppRow, AppState, NewApp, Result, Store,
+    app_status, on_reader, on_writer, AppConfigPatch, AppRow, AppState, Flavoured, NewApp, Result,
+    Store,
 };
 
 const INSERT: &str = "INSERT INTO apps (id, account_id, name, template, start_cmd, port, env, \
      idle_seconds, status, host, attempts, created_at, status_at) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 0, $11, $11)";
 
-const GET: &str = concat!(
-    "SELECT ",
-    app_columns!(),
-    " FROM apps WHERE id = $1 AND account_id = $2"
-);
+/// `SELECT` of an app row and then `$rest`; on PostgreSQL its env comes
+/// through `shoal_app_env`, which shows a host's role only the envs of the
+/// apps it drives.
+macro_rules! select_app {
+    ($rest:literal) => {
+        Flavoured {
+            sqlite: concat!("SELECT ", app_columns!(), $rest),
+            postgres: concat!("SELECT ", app_columns!("shoal_app_env(id) AS env"), $rest),
+        }
+    };
+}
 
-const BY_ID: &str = concat!("SELECT ", app_columns!(), " FROM apps WHERE id = $1");
+const GET: Flavoured = select_app!(" FROM apps WHERE id = $1 AND account_id = $2");
 
-const LIST: &str = concat!(
-    "SELECT ",
-    app_columns!(),
-    " FROM apps WHERE account_id = $1 AND status <> 'deleted' ORDER BY created_at, id"
-);
+const BY_ID: Flavoured = select_app!(" FROM apps WHERE id = $1");
+
+const LIST: Flavoured =
+    select_app!(" FROM apps WHERE account_id = $1 AND status <> 'deleted' ORDER BY created_at, id");
 
 /// Keep the condition in step with the `apps_host_live` index.
-const OF_HOST: &str = concat!(
-    "SELECT ",
-    app_columns!(),
+const OF_HOST: Flavoured = select_app!(
     " FROM apps WHERE host = $1 AND status NOT IN ('deleted', 'failed') ORDER BY created_at, id"
 );
 
@@ -46,9 +50,12 @@ const SET_CONFIG: &str = "UPDATE apps SET \
      template = COALESCE($2, template), \
      start_cmd = COALESCE($3, start_cmd), \
      port = COALESCE($4, port), \
-     env = COALESCE($5, env), \
-     idle_seconds = COALESCE($6, idle_seconds) \
+     idle_seconds = COALESCE($5, idle_seconds) \
      WHERE id = $1 AND status <> 'deleted'";
+
+/// Apart from [`SET_CONFIG`]: `COALESCE($n, env)` would read the column,
+/// which a host's role may not (migrations/postgres/0010).
+const SET_ENV: &str = "UPDATE apps SET env = $2 WHERE id = $1 AND status <> 'deleted'";
 
 /// `last_request_at` only moves forward.
 const TOUCH: &str = "UPDATE apps SET last_request_at = \
@@ -101,7 +108,7 @@ impl Store {
     /// The app, in any status, if `account_id` owns it.
     pub async fn get_app(&self, account_id: i64, id: &str) -> Result<Option<AppRow>> {
         on_reader!(self, pool => {
-            sqlx::query(GET)
+            sqlx::query(GET.on(pool))
                 .bind(id)
                 .bind(account_id)
                 .fetch_optional(pool)
@@ -115,7 +122,7 @@ impl Store {
     /// work, never for a tenant's request.
     pub async fn app_by_id(&self, id: &str) -> Result<Option<AppRow>> {
         on_reader!(self, pool => {
-            sqlx::query(BY_ID)
+            sqlx::query(BY_ID.on(pool))
                 .bind(id)
                 .fetch_optional(pool)
                 .await?
@@ -127,7 +134,7 @@ impl Store {
     /// The account's apps that are not deleted, oldest first.
     pub async fn list_apps(&self, account_id: i64) -> Result<Vec<AppRow>> {
         on_reader!(self, pool => {
-            sqlx::query(LIST)
+            sqlx::query(LIST.on(pool))
                 .bind(account_id)
                 .fetch_all(pool)
                 .await?
@@ -140,7 +147,7 @@ impl Store {
     /// The apps `host` drives: every one neither deleted nor failed.
     pub async fn apps_of_host(&self, host: &str) -> Result<Vec<AppRow>> {
         on_reader!(self, pool => {
-            sqlx::query(OF_HOST)
+            sqlx::query(OF_HOST.on(pool))
                 .bind(host)
                 .fetch_all(pool)
                 .await?
@@ -174,16 +181,21 @@ impl Store {
     pub async fn set_app_config(&self, id: &str, patch: &AppConfigPatch) -> Result<bool> {
         let env = patch.env.as_ref().map(row::metadata_to_json);
         let affected = on_writer!(self, pool => {
-            sqlx::query(SET_CONFIG)
+            let mut tx = pool.begin().await?;
+            let affected = sqlx::query(SET_CONFIG)
                 .bind(id)
                 .bind(&patch.template)
                 .bind(&patch.start_cmd)
                 .bind(patch.port.map(i64::from))
-                .bind(&env)
                 .bind(patch.idle_seconds.map(signed))
-                .execute(pool)
+                .execute(&mut *tx)
                 .await?
-                .rows_affected()
+                .rows_affected();
+            if let Some(env) = &env {
+                sqlx::query(SET_ENV).bind(id).bind(env).execute(&mut *tx).await?;
+            }
+            tx.commit().await?;
+            affected
         });
         Ok(affected > 0)
     }

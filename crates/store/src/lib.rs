@@ -139,6 +139,38 @@ macro_rules! on_writer {
 }
 pub(crate) use {on_reader, on_writer};
 
+/// A statement whose text differs between the backends: where PostgreSQL
+/// reads a tenant's environment through the function that confines hosts'
+/// roles (migrations/postgres/0010), SQLite reads the column.
+pub(crate) struct Flavoured {
+    pub sqlite: &'static str,
+    pub postgres: &'static str,
+}
+
+impl Flavoured {
+    /// The text for the backend of `pool` (inside `on_reader!` and
+    /// `on_writer!`, whose body is expanded once per backend).
+    pub fn on<P: Dialect>(&self, _pool: &P) -> &'static str {
+        if P::POSTGRES {
+            self.postgres
+        } else {
+            self.sqlite
+        }
+    }
+}
+
+pub(crate) trait Dialect {
+    const POSTGRES: bool;
+}
+
+impl Dialect for SqlitePool {
+    const POSTGRES: bool = false;
+}
+
+impl Dialect for PgPool {
+    const POSTGRES: bool = true;
+}
+
 /// Read connections of an SQLite store. On 2 cores 4 serve as many
 /// `authenticate` + `get_sandbox` pairs as 8 (about 11k pairs/s, release build).
 const SQLITE_READERS: u32 = 4;

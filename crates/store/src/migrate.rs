@@ -69,6 +69,11 @@ const SQLITE: &[Embedded] = &[
         "host roles",
         include_str!("../migrations/sqlite/0009_host_roles.sql"),
     ),
+    (
+        10,
+        "tenant env",
+        include_str!("../migrations/sqlite/0010_tenant_env.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -116,6 +121,11 @@ const POSTGRES: &[Embedded] = &[
         9,
         "host roles",
         include_str!("../migrations/postgres/0009_host_roles.sql"),
+    ),
+    (
+        10,
+        "tenant env",
+        include_str!("../migrations/postgres/0010_tenant_env.sql"),
     ),
 ];
 
@@ -174,7 +184,7 @@ mod tests {
 
     /// Versions that only PostgreSQL gives content (roles and row-level
     /// security, which SQLite has not); SQLite's are no-ops of the same number.
-    const POSTGRES_ONLY: &[i64] = &[9];
+    const POSTGRES_ONLY: &[i64] = &[9, 10];
 
     /// The two flavours must describe the same schema: same versions, and
     /// the same statements once column types are folded together.

@@ -122,9 +122,16 @@ pub(crate) fn snapshot(row: &impl Column) -> Result<SnapshotRow> {
 /// The columns [`app`] reads, as a literal for `concat!`.
 macro_rules! app_columns {
     () => {
-        "id, account_id, name, template, start_cmd, port, env, idle_seconds, status, \
-         sandbox_id, host, attempts, next_attempt_at, last_error, created_at, status_at, \
-         last_request_at, deleted_at"
+        app_columns!("env")
+    };
+    ($env:literal) => {
+        concat!(
+            "id, account_id, name, template, start_cmd, port, ",
+            $env,
+            ", idle_seconds, status, \
+             sandbox_id, host, attempts, next_attempt_at, last_error, created_at, status_at, \
+             last_request_at, deleted_at"
+        )
     };
 }
 pub(crate) use app_columns;

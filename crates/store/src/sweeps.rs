@@ -56,8 +56,8 @@ use crate::row::{signed, unsigned, Column};
 use crate::sandboxes::already_exists;
 use crate::{
     on_reader, on_writer, Backend, CellEnd, CellFilter, CellOutcome, CellRow, CellState, Claim,
-    HeldResolution, Metadata, NewSweep, Renewal, Result, Store, StoreError, SweepCounts, SweepRow,
-    SweepState, SweepSummary,
+    Flavoured, HeldResolution, Metadata, NewSweep, Renewal, Result, Store, StoreError, SweepCounts,
+    SweepRow, SweepState, SweepSummary,
 };
 
 /// Cells per `INSERT` statement of [`Store::create_sweep`] (two parameters
@@ -69,9 +69,32 @@ const CELL_BATCH: usize = 500;
 /// The columns [`sweep`] reads, as a literal for `concat!`.
 macro_rules! sweep_columns {
     () => {
-        "id, account_id, name, template, command, env, cells, throttle, timeout_seconds, \
-         max_attempts, collect, fork_from, state, created_at, finished_at, job_id, reason, \
-         after_ok, workdir, files, slurm, started_at"
+        sweep_columns!("env")
+    };
+    ($env:literal) => {
+        concat!(
+            "id, account_id, name, template, command, ",
+            $env,
+            ", cells, throttle, timeout_seconds, \
+             max_attempts, collect, fork_from, state, created_at, finished_at, job_id, reason, \
+             after_ok, workdir, files, slurm, started_at"
+        )
+    };
+}
+
+/// `SELECT` of a sweep row and then `$rest`; on PostgreSQL its env comes
+/// through `shoal_sweep_env`, which shows a host's role only the envs of
+/// sweeps it has run a cell of.
+macro_rules! select_sweep {
+    ($rest:literal) => {
+        crate::Flavoured {
+            sqlite: concat!("SELECT ", sweep_columns!(), $rest),
+            postgres: concat!(
+                "SELECT ",
+                sweep_columns!("shoal_sweep_env(id) AS env"),
+                $rest
+            ),
+        }
     };
 }
 
@@ -98,11 +121,7 @@ const TAKE_JOB_IDS: &str = "UPDATE counters SET next_value = next_value + $1 \
 
 const INSERT_DEP: &str = "INSERT INTO sweep_deps (sweep_id, after_id) VALUES ($1, $2)";
 
-const BY_JOB_ID: &str = concat!(
-    "SELECT ",
-    sweep_columns!(),
-    " FROM sweeps WHERE job_id = $1 AND account_id = $2"
-);
+const BY_JOB_ID: Flavoured = select_sweep!(" FROM sweeps WHERE job_id = $1 AND account_id = $2");
 
 /// Notes when a sweep's first cell was claimed.
 const SET_STARTED: &str = "UPDATE sweeps SET started_at = $2 WHERE id = $1 AND started_at IS NULL";
@@ -158,19 +177,12 @@ const SUMMARY: &str = "SELECT state, COUNT(*) AS n, SUM(cpu_seconds) AS cpu, \
      SUM(gib_seconds) AS gib, SUM(cost_usd) AS cost FROM sweep_cells WHERE sweep_id = $1 \
      AND EXISTS (SELECT 1 FROM sweeps WHERE id = $1 AND account_id = $2) GROUP BY state";
 
-const GET: &str = concat!(
-    "SELECT ",
-    sweep_columns!(),
-    " FROM sweeps WHERE id = $1 AND account_id = $2"
-);
+const GET: Flavoured = select_sweep!(" FROM sweeps WHERE id = $1 AND account_id = $2");
 
-const BY_ID: &str = concat!("SELECT ", sweep_columns!(), " FROM sweeps WHERE id = $1");
+const BY_ID: Flavoured = select_sweep!(" FROM sweeps WHERE id = $1");
 
-const LIST: &str = concat!(
-    "SELECT ",
-    sweep_columns!(),
-    " FROM sweeps WHERE account_id = $1 ORDER BY created_at DESC, id"
-);
+const LIST: Flavoured =
+    select_sweep!(" FROM sweeps WHERE account_id = $1 ORDER BY created_at DESC, id");
 
 /// Active sweeps that look claimable (read without locks; the claim checks
 /// again under the lock), oldest first.
@@ -516,7 +528,7 @@ impl Store {
     /// The sweep, in any state, if `account_id` owns it.
     pub async fn get_sweep(&self, account_id: i64, id: &str) -> Result<Option<SweepRow>> {
         on_reader!(self, pool => {
-            sqlx::query(GET)
+            sqlx::query(GET.on(pool))
                 .bind(id)
                 .bind(account_id)
                 .fetch_optional(pool)
@@ -530,7 +542,7 @@ impl Store {
     /// runner reading what to run for a claim), never for a tenant's request.
     pub async fn sweep_by_id(&self, id: &str) -> Result<Option<SweepRow>> {
         on_reader!(self, pool => {
-            sqlx::query(BY_ID)
+            sqlx::query(BY_ID.on(pool))
                 .bind(id)
                 .fetch_optional(pool)
                 .await?
@@ -542,7 +554,7 @@ impl Store {
     /// The account's sweeps in every state, newest first.
     pub async fn list_sweeps(&self, account_id: i64) -> Result<Vec<SweepRow>> {
         on_reader!(self, pool => {
-            sqlx::query(LIST).bind(account_id).fetch_all(pool).await?.iter().map(sweep).collect()
+            sqlx::query(LIST.on(pool)).bind(account_id).fetch_all(pool).await?.iter().map(sweep).collect()
         })
     }
 
@@ -968,7 +980,7 @@ impl Store {
     /// The sweep whose first job id is `job_id`, if `account_id` owns it.
     pub async fn sweep_by_job_id(&self, account_id: i64, job_id: u64) -> Result<Option<SweepRow>> {
         on_reader!(self, pool => {
-            sqlx::query(BY_JOB_ID)
+            sqlx::query(BY_JOB_ID.on(pool))
                 .bind(signed(job_id))
                 .bind(account_id)
                 .fetch_optional(pool)

@@ -16,6 +16,7 @@ cases!(
     state_changes_skip_deleted_apps_and_move_status_at,
     config_patches_and_activity,
     a_host_drives_only_its_own_live_apps,
+    a_host_reads_and_changes_only_its_own_apps_env,
 );
 
 async fn account(store: &Store, name: &str) -> i64 {
@@ -202,4 +203,63 @@ async fn a_host_drives_only_its_own_live_apps(db: Arc<Db>) {
         .map(|a| a.id)
         .collect();
     assert_eq!(ids, ["app-1"]);
+}
+
+/// An app's env is a tenant's secret: a host's role reads it only for the
+/// apps it drives, cannot move another host's app onto itself to read it,
+/// and still patches its own app's env.
+async fn a_host_reads_and_changes_only_its_own_apps_env(db: Arc<Db>) {
+    let store = &db.store;
+    let Some(host_a) = db.as_host("host-a").await else {
+        return;
+    };
+    let alice = account(store, "alice").await;
+    store
+        .insert_app(alice, &new_app("app-b", "on-b", "host-b"), T0)
+        .await
+        .unwrap();
+    let on_b = host_a.app_by_id("app-b").await.unwrap().unwrap();
+    assert!(on_b.config.env.is_empty(), "{:?}", on_b.config.env);
+    assert!(host_a.list_apps(alice).await.unwrap()[0]
+        .config
+        .env
+        .is_empty());
+    let patch = AppConfigPatch {
+        env: Some([("GREETING".to_string(), "stolen".to_string())].into()),
+        ..AppConfigPatch::default()
+    };
+    assert!(!host_a.set_app_config("app-b", &patch).await.unwrap());
+    assert!(!host_a.delete_app(alice, "app-b", T0).await.unwrap());
+    let forged = host_a
+        .insert_app(alice, &new_app("app-forged", "forged", "host-b"), T0)
+        .await;
+    assert!(forged.is_err(), "a host made an app on another host");
+
+    let own = host_a
+        .insert_app(alice, &new_app("app-a", "on-a", "host-a"), T0)
+        .await
+        .unwrap();
+    assert_eq!(own.config.env["GREETING"], "hi there");
+    let patch = AppConfigPatch {
+        env: Some([("GREETING".to_string(), "hello".to_string())].into()),
+        port: Some(9000),
+        ..AppConfigPatch::default()
+    };
+    assert!(host_a.set_app_config("app-a", &patch).await.unwrap());
+    let read = host_a.app_by_id("app-a").await.unwrap().unwrap();
+    assert_eq!(
+        (read.config.env["GREETING"].as_str(), read.config.port),
+        ("hello", 9000)
+    );
+    assert_eq!(
+        store
+            .get_app(alice, "app-b")
+            .await
+            .unwrap()
+            .unwrap()
+            .config
+            .env["GREETING"],
+        "hi there"
+    );
+    host_a.close().await;
 }

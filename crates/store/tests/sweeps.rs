@@ -23,6 +23,7 @@ const LEASE: Duration = Duration::from_secs(30);
 
 cases!(
     create_claim_renew_finish,
+    a_host_reads_a_sweeps_env_only_once_it_runs_a_cell,
     sweeps_are_private_to_their_account,
     ten_thousand_cells_insert_quickly,
     throttle_holds_under_eight_concurrent_claimers,
@@ -1688,4 +1689,70 @@ async fn runner_fields_round_trip(db: Arc<Db>) {
         store.sweep_summary(acct + 1000, "sw").await.unwrap(),
         Default::default()
     );
+}
+
+/// A sweep's env is a tenant's secret: a host's role reads it (through the
+/// store, as the runner does) only once it has claimed a cell of the sweep,
+/// and never from the column itself.
+async fn a_host_reads_a_sweeps_env_only_once_it_runs_a_cell(db: Arc<Db>) {
+    let store = &db.store;
+    let Some(host) = db.as_host("host-a").await else {
+        return;
+    };
+    let acct = account_id(store, "alice").await;
+    store
+        .create_sweep(&new_sweep("sw-env", acct, 2), T0)
+        .await
+        .unwrap();
+    let seen = host.sweep_by_id("sw-env").await.unwrap().unwrap();
+    assert!(seen.env.is_empty(), "{:?}", seen.env);
+    assert_eq!(seen.command, "python train.py --lr {cell}");
+    assert!(host.list_sweeps(acct).await.unwrap()[0].env.is_empty());
+    let url = {
+        let password = "hostapassword0123456789abcdef0123456789";
+        let role = store
+            .ensure_host_role("host-a", password)
+            .await
+            .unwrap()
+            .unwrap();
+        shoal_store::host_database_url(&db.url, &role, password).unwrap()
+    };
+    let mut raw = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    let column = sqlx::query("SELECT env FROM sweeps")
+        .fetch_all(&mut raw)
+        .await;
+    assert!(column.is_err(), "a host read sweeps.env");
+    // Another host's claim shows host-a nothing; its own shows the env.
+    store
+        .claim_cells("host-b", Some("sw-env"), 1, LEASE, T0 + 1.0)
+        .await
+        .unwrap();
+    assert!(host
+        .sweep_by_id("sw-env")
+        .await
+        .unwrap()
+        .unwrap()
+        .env
+        .is_empty());
+    let claims = host
+        .claim_cells("host-a", Some("sw-env"), 1, LEASE, T0 + 1.0)
+        .await
+        .unwrap();
+    assert_eq!(claims.len(), 1);
+    let runs = host.sweep_by_id("sw-env").await.unwrap().unwrap();
+    assert_eq!(runs.env.get("SEED").map(String::as_str), Some("7"));
+    // The fronts' own role reads it whole.
+    assert_eq!(
+        store
+            .get_sweep(acct, "sw-env")
+            .await
+            .unwrap()
+            .unwrap()
+            .env
+            .len(),
+        1
+    );
+    host.close().await;
 }

@@ -38,6 +38,24 @@ impl Db {
         Store::connect(&self.url).await.expect("reopen the store")
     }
 
+    /// The store as host `host` of a fleet opens it: with the role a front
+    /// makes for it (migrations/postgres/0009). `None` on SQLite, which has
+    /// no roles.
+    pub async fn as_host(&self, host: &str) -> Option<Store> {
+        let password = format!("{host}-password-0123456789abcdef0123456789").replace('-', "");
+        let role = self
+            .store
+            .ensure_host_role(host, &password)
+            .await
+            .unwrap()?;
+        let url = shoal_store::host_database_url(&self.url, &role, &password).unwrap();
+        Some(
+            Store::connect_as_host(&url)
+                .await
+                .expect("open the store as a host"),
+        )
+    }
+
     /// Every value of one text column, read around the store.
     pub async fn raw_texts(&self, sql: &str) -> Vec<String> {
         match &self.kind {
