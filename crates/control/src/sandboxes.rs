@@ -233,13 +233,7 @@ fn check_metadata(metadata: &Metadata) -> ApiResult<()> {
     Ok(())
 }
 
-pub(crate) fn valid_template_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-}
+pub(crate) use shoal_image::valid_template_name;
 
 pub async fn create(
     State(cp): St,

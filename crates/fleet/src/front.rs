@@ -436,14 +436,14 @@ impl Front {
         Ok(pinned)
     }
 
-    /// Sends the request on to agent `host_id` at `base`, streaming both
+    /// Sends the request on to agent `(host_id, base URL)`, streaming both
     /// bodies (exec streams and large files pass through without being
-    /// held), with the key that proves to that host a front sent it.
+    /// held), with the key that proves to that host a front sent it and
+    /// the account the front found for the caller.
     async fn forward(
         &self,
         account: Option<i64>,
-        host_id: &str,
-        base: &str,
+        (host_id, base): (&str, &str),
         method: Method,
         uri: &Uri,
         headers: &HeaderMap,
@@ -513,8 +513,7 @@ impl Front {
             match self
                 .forward(
                     account,
-                    &host.report.id,
-                    &host.report.url,
+                    (&host.report.id, &host.report.url),
                     method.clone(),
                     uri,
                     headers,
@@ -758,8 +757,7 @@ async fn create(State(front): St, request: Request) -> Response {
     let answer = front
         .forward(
             Some(account.id),
-            &host_id,
-            &url,
+            (&host_id, &url),
             method,
             &uri,
             &headers,
@@ -922,8 +920,7 @@ impl Front {
                 match self
                     .forward(
                         Some(account),
-                        &host.report.id,
-                        &host.report.url,
+                        (&host.report.id, &host.report.url),
                         parts.method,
                         &parts.uri,
                         &parts.headers,
@@ -1000,8 +997,7 @@ async fn create_volume(State(front): St, request: Request) -> Response {
     match front
         .forward(
             Some(account.id),
-            &host_id,
-            &url,
+            (&host_id, &url),
             method,
             &uri,
             &headers,
@@ -1054,8 +1050,7 @@ async fn about_volume(State(front): St, Path(name): Path<String>, request: Reque
         Some(host) => front
             .forward(
                 Some(account.id),
-                &host.report.id,
-                &host.report.url,
+                (&host.report.id, &host.report.url),
                 method,
                 &uri,
                 &headers,

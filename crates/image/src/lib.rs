@@ -60,6 +60,7 @@
 
 mod cache;
 mod cmd;
+pub mod dockerfile;
 mod error;
 mod host;
 mod initramfs;
@@ -90,7 +91,7 @@ pub use rootfs::{
     build_base, build_rootfs_image, install_agent, make_ext4_image, BaseInfo, BaseLayer, ImageInfo,
     ImageLayer, AGENT_PATH_IN_GUEST, ROOTFS_LABEL, SUITE,
 };
-pub use templates::{find_template, first_party_templates, TemplateSpec};
+pub use templates::{find_template, first_party_templates, valid_template_name, TemplateSpec};
 pub use tsc::host_tsc_khz;
 
 /// Version of the builder as a whole; part of every template's input hash.

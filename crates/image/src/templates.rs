@@ -54,6 +54,17 @@ pub fn first_party_templates() -> Vec<TemplateSpec> {
     ]
 }
 
+/// Whether `name` can name a template: 1-63 of `[a-z0-9-]`, not starting
+/// with `-` (it is a guest hostname and a directory name).
+pub fn valid_template_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+}
+
 /// The first-party template called `name`.
 pub fn find_template(name: &str) -> Option<TemplateSpec> {
     first_party_templates().into_iter().find(|t| t.name == name)
@@ -64,14 +75,7 @@ impl TemplateSpec {
     /// directory name, package names are Debian package names, sizes are sane.
     pub fn validate(&self) -> Result<(), ImageError> {
         let bad = |why: String| Err(ImageError::InvalidTemplate(format!("{}: {why}", self.name)));
-        let name_ok = !self.name.is_empty()
-            && self.name.len() <= 63
-            && self
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !self.name.starts_with('-');
-        if !name_ok {
+        if !valid_template_name(&self.name) {
             return bad("name must be 1-63 of [a-z0-9-], not starting with '-'".into());
         }
         for p in &self.packages {
