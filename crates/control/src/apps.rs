@@ -571,7 +571,7 @@ async fn reconcile(cp: &Arc<ControlPlane>) {
     let apps = match cp.store.apps_of_host(&cp.config.host_name).await {
         Ok(apps) => apps,
         Err(e) => {
-            tracing::warn!(error = %e, "listing apps");
+            tracing::warn!(error = e.chain(), "listing apps");
             return;
         }
     };

@@ -76,9 +76,11 @@ impl From<StoreError> for ApiError {
             ),
             StoreError::NotFound { message } => Self::not_found(message),
             StoreError::Conflict { message } => Self::conflict(message),
+            // The details (a statement's error, a server's address) are
+            // for the operator's log, not for the client.
             other => {
-                tracing::error!(error = %other, "database");
-                Self::internal(format!("database error: {other}"))
+                tracing::error!(error = other.chain(), "database");
+                Self::internal("database error")
             }
         }
     }

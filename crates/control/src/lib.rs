@@ -139,31 +139,34 @@ impl ControlPlane {
     /// The account of `token`, from a short cache in front of the store (the
     /// cache is keyed by the token's hash, like the store).
     async fn authenticate(&self, token: &str) -> ApiResult<Option<Account>> {
-        let key = shoal_store::token_hash(token);
-        if let Some((account, at)) = self.tokens.lock().unwrap().get(&key) {
-            if at.elapsed() < TOKEN_CACHE_TTL {
-                return Ok(Some(account.clone()));
-            }
-        }
-        let account = self.store.authenticate(token).await?;
-        if let Some(account) = &account {
-            self.tokens
-                .lock()
-                .unwrap()
-                .insert(key, (account.clone(), Instant::now()));
-        }
-        Ok(account)
+        self.cached_account(shoal_store::token_hash(token), || {
+            self.store.authenticate(token)
+        })
+        .await
     }
 
     /// The account a front vouched for, by id, from the same short cache.
     async fn account_named_by_front(&self, id: i64) -> ApiResult<Option<Account>> {
-        let key = format!("front:{id}");
+        self.cached_account(format!("front:{id}"), || self.store.account_by_id(id))
+            .await
+    }
+
+    /// The account cached under `key` for [`TOKEN_CACHE_TTL`], else what
+    /// `look_up` finds (cached when there is one).
+    async fn cached_account<F>(
+        &self,
+        key: String,
+        look_up: impl FnOnce() -> F,
+    ) -> ApiResult<Option<Account>>
+    where
+        F: std::future::Future<Output = shoal_store::Result<Option<Account>>>,
+    {
         if let Some((account, at)) = self.tokens.lock().unwrap().get(&key) {
             if at.elapsed() < TOKEN_CACHE_TTL {
                 return Ok(Some(account.clone()));
             }
         }
-        let account = self.store.account_by_id(id).await?;
+        let account = look_up().await?;
         if let Some(account) = &account {
             self.tokens
                 .lock()

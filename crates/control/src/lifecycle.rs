@@ -89,7 +89,7 @@ impl ControlPlane {
         let live: HashMap<String, SandboxRow> = match self.store.list_all_live().await {
             Ok(rows) => rows.into_iter().map(|r| (r.id.clone(), r)).collect(),
             Err(e) => {
-                tracing::warn!(error = %e, "listing sandboxes to find stray VMs");
+                tracing::warn!(error = e.chain(), "listing sandboxes to find stray VMs");
                 return;
             }
         };
@@ -124,7 +124,7 @@ impl ControlPlane {
         let candidates = match self.store.reap_candidates(now()).await {
             Ok(rows) => rows,
             Err(e) => {
-                tracing::warn!(error = %e, "listing idle sandboxes");
+                tracing::warn!(error = e.chain(), "listing idle sandboxes");
                 return;
             }
         };
@@ -226,7 +226,7 @@ impl Meter {
     pub async fn sample_all(&self, cp: &ControlPlane) {
         match cp.store.list_all_live().await {
             Ok(rows) => self.sample_rows(cp, rows).await,
-            Err(e) => tracing::warn!(error = %e, "listing sandboxes to meter"),
+            Err(e) => tracing::warn!(error = e.chain(), "listing sandboxes to meter"),
         }
     }
 

@@ -295,7 +295,7 @@ async fn claim_loop(cp: Arc<ControlPlane>) {
                         });
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "claiming sweep cells"),
+                Err(e) => tracing::warn!(error = e.chain(), "claiming sweep cells"),
             }
         }
         let _ = tokio::time::timeout(config.poll, runner.wake.notified()).await;
@@ -311,7 +311,7 @@ async fn housekeeping(cp: &Arc<ControlPlane>) {
             tracing::info!(cells = n, "took back cells whose lease expired");
             cp.runner.wake();
         }
-        Err(e) => tracing::warn!(error = %e, "expiring sweep leases"),
+        Err(e) => tracing::warn!(error = e.chain(), "expiring sweep leases"),
     }
     match cp.store.resolve_held(now()).await {
         Ok(resolved) => {
@@ -322,7 +322,7 @@ async fn housekeeping(cp: &Arc<ControlPlane>) {
                 cp.runner.wake();
             }
         }
-        Err(e) => tracing::warn!(error = %e, "deciding held sweeps"),
+        Err(e) => tracing::warn!(error = e.chain(), "deciding held sweeps"),
     }
     let known: Vec<String> = {
         let parents = cp.runner.parents.lock().unwrap();
@@ -553,7 +553,7 @@ async fn run_attempt(
             .set_cell_sandbox(&claim.sweep_id, claim.idx, &claim.claim_id, &sandbox)
             .await
         {
-            tracing::warn!(error = %e, "recording a cell's sandbox");
+            tracing::warn!(error = e.chain(), "recording a cell's sandbox");
         }
     };
     // From here on the sandbox exists: whatever happens, it is deleted.
@@ -755,7 +755,7 @@ async fn renew_lease(cp: Arc<ControlPlane>, claim: Claim, found: watch::Sender<R
             }
             // The database is away: keep going, the next renewal may get
             // through before the lease ends.
-            Err(e) => tracing::warn!(error = %e, "renewing a lease"),
+            Err(e) => tracing::warn!(error = e.chain(), "renewing a lease"),
         }
     }
 }

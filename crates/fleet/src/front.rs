@@ -144,12 +144,9 @@ fn unauthorized() -> Response {
 }
 
 fn database_error(e: shoal_store::StoreError) -> Response {
-    tracing::error!(error = %e, "database");
-    refuse(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        &format!("database error: {e}"),
-        None,
-    )
+    // As in the agents' API: the details are for the log.
+    tracing::error!(error = e.chain(), "database");
+    refuse(StatusCode::INTERNAL_SERVER_ERROR, "database error", None)
 }
 
 /// Whether a host takes work: heard from recently and not draining.

@@ -5,56 +5,13 @@
 //! database (SQLite) and HTTP are real. The real agents' side is
 //! `crates/cli/tests/vm_apps.rs`.
 
+mod common;
+
 use axum::extract::Request;
 use axum::routing::any;
+use common::{now, report, stand_in};
 use serde_json::{json, Value};
-use shoal_fleet::front::{self, Front, FrontConfig};
-use shoal_store::{AppConfig, HostReport, NewApp, Store, Tier};
-use std::time::Duration;
-
-/// A stand-in agent: answers every request with its name, method, path
-/// and X-Forwarded-Host.
-async fn stand_in(name: &'static str) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = axum::Router::new().fallback(any(move |request: Request| async move {
-        let forwarded = request
-            .headers()
-            .get("x-forwarded-host")
-            .map(|v| v.to_str().unwrap().to_owned());
-        axum::Json(json!({
-            "host": name,
-            "method": request.method().as_str(),
-            "path": request.uri().path(),
-            "forwarded_host": forwarded,
-        }))
-    }));
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    url
-}
-
-fn report(id: &str, url: &str, available_mib: u64) -> HostReport {
-    HostReport {
-        id: id.into(),
-        url: url.into(),
-        vcpus: 2,
-        cpu_busy: 0.0,
-        memory_mib: 16_000,
-        available_mib,
-        reserve_mib: 1_024,
-        sandboxes: 0,
-        max_sandboxes: None,
-        pss_mib: 0,
-        draining: false,
-    }
-}
-
-fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
+use shoal_store::{AppConfig, NewApp, Store, Tier};
 
 #[tokio::test]
 async fn apps_are_placed_and_then_routed_to_their_host() {
@@ -74,21 +31,7 @@ async fn apps_are_placed_and_then_routed_to_their_host() {
     let token = store.create_token("alice", Tier::Team).await.unwrap();
     let account = store.authenticate(&token).await.unwrap().unwrap();
 
-    let front = Front::new(
-        store.clone(),
-        FrontConfig {
-            agent_ca: None,
-            fleet_token: "fleet".into(),
-            database_url: url,
-            lost_check: Duration::from_secs(3600),
-        },
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(listener, front::router(front)).await.unwrap();
-    });
+    let address = common::serve_front(&store, &url).await;
     let base = format!("http://{address}");
     let http = reqwest::Client::new();
     let call = |method: reqwest::Method, path: &str| {
@@ -235,21 +178,7 @@ async fn the_front_names_the_account_and_fills_in_stored_envs() {
     };
     store.create_sweep(&sweep, now()).await.unwrap();
 
-    let front = Front::new(
-        store.clone(),
-        FrontConfig {
-            agent_ca: None,
-            fleet_token: "fleet".into(),
-            database_url: url,
-            lost_check: Duration::from_secs(3600),
-        },
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(listener, front::router(front)).await.unwrap();
-    });
+    let address = common::serve_front(&store, &url).await;
     let http = reqwest::Client::new();
     let get = |path: &str| {
         let request = http

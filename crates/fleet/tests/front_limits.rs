@@ -17,8 +17,9 @@
 //! The agent is a stand-in that answers with its name and the size of the
 //! body it was sent.
 
-use axum::extract::Request;
-use axum::routing::any;
+mod common;
+
+use common::{now, stand_in};
 use serde_json::{json, Value};
 use shoal_fleet::front::{self, Front, FrontConfig};
 use shoal_fleet::limits::{AccountRate, FrontLimits};
@@ -28,35 +29,6 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A stand-in agent: answers every request with its name, method, path and
-/// the number of body bytes it received.
-async fn stand_in(name: &'static str) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = axum::Router::new().fallback(any(move |request: Request| async move {
-        let method = request.method().as_str().to_owned();
-        let path = request.uri().path().to_owned();
-        let body = axum::body::to_bytes(request.into_body(), usize::MAX)
-            .await
-            .unwrap();
-        axum::Json(json!({
-            "host": name,
-            "method": method,
-            "path": path,
-            "body_bytes": body.len(),
-        }))
-    }));
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    url
-}
-
-fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
 
 struct Fleet {
     db: TestDb,

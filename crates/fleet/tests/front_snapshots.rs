@@ -5,56 +5,11 @@
 //! agent and a DELETE is 503 with Retry-After. The agents are stand-ins that
 //! answer with their own name; the database (SQLite) and HTTP are real.
 
-use axum::extract::Request;
-use axum::routing::any;
+mod common;
+
+use common::{now, report, stand_in};
 use serde_json::{json, Value};
-use shoal_fleet::front::{self, Front, FrontConfig};
-use shoal_store::{HostReport, SnapshotRow, Store, Tier};
-use std::time::Duration;
-
-/// A stand-in agent: answers every request with its name, method, path
-/// and X-Forwarded-Host.
-async fn stand_in(name: &'static str) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = axum::Router::new().fallback(any(move |request: Request| async move {
-        let forwarded = request
-            .headers()
-            .get("x-forwarded-host")
-            .map(|v| v.to_str().unwrap().to_owned());
-        axum::Json(json!({
-            "host": name,
-            "method": request.method().as_str(),
-            "path": request.uri().path(),
-            "forwarded_host": forwarded,
-        }))
-    }));
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    url
-}
-
-fn report(id: &str, url: &str, available_mib: u64) -> HostReport {
-    HostReport {
-        id: id.into(),
-        url: url.into(),
-        vcpus: 2,
-        cpu_busy: 0.0,
-        memory_mib: 16_000,
-        available_mib,
-        reserve_mib: 1_024,
-        sandboxes: 0,
-        max_sandboxes: None,
-        pss_mib: 0,
-        draining: false,
-    }
-}
-
-fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
+use shoal_store::{SnapshotRow, Store, Tier};
 
 #[tokio::test]
 async fn snapshots_are_routed_to_the_host_that_holds_them() {
@@ -87,21 +42,7 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
             .unwrap();
     }
 
-    let front = Front::new(
-        store.clone(),
-        FrontConfig {
-            agent_ca: None,
-            fleet_token: "fleet".into(),
-            database_url: url,
-            lost_check: Duration::from_secs(3600),
-        },
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(listener, front::router(front)).await.unwrap();
-    });
+    let address = common::serve_front(&store, &url).await;
     let base = format!("http://{address}");
     let http = reqwest::Client::new();
     let call = |method: reqwest::Method, path: &str, token: &str| {

@@ -95,6 +95,22 @@ pub enum StoreError {
     SchemaBehind { found: i64, needed: i64 },
 }
 
+impl StoreError {
+    /// The message and each of its sources, `: `-joined: what a log line
+    /// says (the database's own words: a permission denied, a connection
+    /// lost), where a client is told less.
+    pub fn chain(&self) -> String {
+        let mut text = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            text.push_str(": ");
+            text.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        text
+    }
+}
+
 /// What `shoal_store::Error` names: [`StoreError`].
 pub type Error = StoreError;
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -346,4 +362,20 @@ async fn connect_postgres(url: &str, migrate: Migrate) -> Result<Backend> {
         Migrate::No => migrate::check_postgres(&pool).await?,
     }
     Ok(Backend::Postgres(pool))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_says_what_the_database_said() {
+        let e = StoreError::Database(sqlx::Error::PoolTimedOut);
+        assert_eq!(e.to_string(), "database");
+        assert!(
+            e.chain().starts_with("database: pool timed out"),
+            "{}",
+            e.chain()
+        );
+    }
 }
