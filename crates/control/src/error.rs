@@ -133,22 +133,11 @@ impl From<EngineError> for ApiError {
             }
             other => {
                 let message = shoal_host::EngineError::to_string(&other);
-                tracing::error!(error = %shoal_engine_chain(&other), "engine");
+                tracing::error!(error = %shoal_host::error_chain(&other), "engine");
                 Self::internal(format!("engine error: {message}"))
             }
         }
     }
-}
-
-fn shoal_engine_chain(e: &EngineError) -> String {
-    let mut out = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 impl From<AgentError> for ApiError {

@@ -13,6 +13,7 @@ mod repl;
 mod volumes;
 
 pub use capacity::{Capacity, Held, Reservation, DEFAULT_MEMORY_OVERCOMMIT};
+pub use shoal_engine::error::chain as error_chain;
 pub use shoal_engine::net::GUEST_IP;
 pub use shoal_engine::qemu::VOLUME_SLOTS;
 pub use shoal_engine::vm::OUT_OF_MEMORY;
