@@ -38,6 +38,7 @@ mod row;
 mod sandboxes;
 mod snapshots;
 mod sweeps;
+mod templates;
 mod usage;
 mod volumes;
 

@@ -74,6 +74,16 @@ const SQLITE: &[Embedded] = &[
         "tenant env",
         include_str!("../migrations/sqlite/0010_tenant_env.sql"),
     ),
+    (
+        11,
+        "templates",
+        include_str!("../migrations/sqlite/0011_templates.sql"),
+    ),
+    (
+        12,
+        "template grants",
+        include_str!("../migrations/sqlite/0012_template_grants.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -126,6 +136,16 @@ const POSTGRES: &[Embedded] = &[
         10,
         "tenant env",
         include_str!("../migrations/postgres/0010_tenant_env.sql"),
+    ),
+    (
+        11,
+        "templates",
+        include_str!("../migrations/postgres/0011_templates.sql"),
+    ),
+    (
+        12,
+        "template grants",
+        include_str!("../migrations/postgres/0012_template_grants.sql"),
     ),
 ];
 
@@ -184,7 +204,7 @@ mod tests {
 
     /// Versions that only PostgreSQL gives content (roles and row-level
     /// security, which SQLite has not); SQLite's are no-ops of the same number.
-    const POSTGRES_ONLY: &[i64] = &[9, 10];
+    const POSTGRES_ONLY: &[i64] = &[9, 10, 12];
 
     /// The two flavours must describe the same schema: same versions, and
     /// the same statements once column types are folded together.

@@ -334,6 +334,18 @@ impl RateCard {
     }
 }
 
+/// An account's own template: a name for one of its snapshots, which new
+/// sandboxes restore from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateRow {
+    pub account_id: i64,
+    pub name: String,
+    pub snapshot_id: String,
+    /// The first-party template the snapshot's memory image derives from.
+    pub base: String,
+    pub created_at: f64,
+}
+
 /// A snapshot an account took of one of its sandboxes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotRow {

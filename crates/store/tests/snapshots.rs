@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::Db;
-use shoal_store::{Account, SnapshotLimits, SnapshotRow, Store, StoreError, Tier};
+use shoal_store::{Account, SnapshotLimits, SnapshotRow, Store, StoreError, TemplateRow, Tier};
 
 const T0: f64 = 1_800_000_000.0;
 const MIB: i64 = 1 << 20;
@@ -18,6 +18,7 @@ cases!(
     concurrent_snapshots_never_pass_the_quota,
     get_and_delete_are_the_owners_only,
     writes_are_durable,
+    templates_name_an_accounts_snapshots,
 );
 
 async fn account(store: &Store, name: &str, tier: Tier) -> Account {
@@ -212,4 +213,71 @@ async fn writes_are_durable(db: Arc<Db>) {
     let reopened = db.reopen().await;
     assert_eq!(reopened.list_snapshots(acct.id).await.unwrap().len(), 200);
     reopened.close().await;
+}
+
+/// A template names one of its account's snapshots: the account's only
+/// (another gets nothing), one per name, and its snapshot stays until no
+/// template names it.
+async fn templates_name_an_accounts_snapshots(db: Arc<Db>) {
+    let store = &db.store;
+    let alice = account(store, "alice", Tier::Pro).await;
+    let bob = account(store, "bob", Tier::Pro).await;
+    store
+        .insert_snapshot(&snapshot(&alice, "snap-1", MIB))
+        .await
+        .unwrap();
+    let tools = TemplateRow {
+        account_id: alice.id,
+        name: "tools".into(),
+        snapshot_id: "snap-1".into(),
+        base: "base".into(),
+        created_at: T0,
+    };
+    store.insert_template(&tools).await.unwrap();
+    assert!(matches!(
+        store.insert_template(&tools).await,
+        Err(StoreError::AlreadyExists {
+            what: "template",
+            ..
+        })
+    ));
+    assert_eq!(
+        store.get_template(alice.id, "tools").await.unwrap(),
+        Some(tools.clone())
+    );
+    assert_eq!(store.get_template(bob.id, "tools").await.unwrap(), None);
+    assert_eq!(
+        store.list_templates(alice.id).await.unwrap(),
+        vec![tools.clone()]
+    );
+    assert!(store.list_templates(bob.id).await.unwrap().is_empty());
+    // Bob may use the same name for his own.
+    store
+        .insert_snapshot(&snapshot(&bob, "snap-2", MIB))
+        .await
+        .unwrap();
+    let bobs = TemplateRow {
+        account_id: bob.id,
+        snapshot_id: "snap-2".into(),
+        ..tools.clone()
+    };
+    store.insert_template(&bobs).await.unwrap();
+    assert_eq!(
+        store.templates_of_snapshot("snap-1").await.unwrap(),
+        ["tools"]
+    );
+    // The snapshot outlives no template that names it.
+    assert!(store.delete_snapshot(alice.id, "snap-1").await.is_err());
+    assert!(!store.delete_template(bob.id, "nothing").await.unwrap());
+    assert!(store.delete_template(alice.id, "tools").await.unwrap());
+    assert!(store
+        .templates_of_snapshot("snap-1")
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store.delete_snapshot(alice.id, "snap-1").await.unwrap());
+    assert_eq!(
+        store.get_template(bob.id, "tools").await.unwrap(),
+        Some(bobs)
+    );
 }

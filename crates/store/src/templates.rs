@@ -1,0 +1,96 @@
+//! An account's own templates: names for its snapshots that sandboxes are
+//! created from (issue 21). Every read and delete names the owning account,
+//! so one account never sees another's templates; a snapshot a template
+//! names cannot be deleted (the foreign key, and
+//! [`Store::templates_of_snapshot`] for a clear refusal first).
+
+use crate::row::Column;
+use crate::sandboxes::already_exists;
+use crate::{on_reader, on_writer, Result, Store, TemplateRow};
+
+const COLUMNS: &str = "account_id, name, snapshot_id, base, created_at";
+const INSERT: &str = "INSERT INTO templates (account_id, name, snapshot_id, base, created_at) \
+     VALUES ($1, $2, $3, $4, $5)";
+const DELETE: &str = "DELETE FROM templates WHERE account_id = $1 AND name = $2";
+const OF_SNAPSHOT: &str = "SELECT name FROM templates WHERE snapshot_id = $1 ORDER BY name";
+
+fn get_sql() -> String {
+    format!("SELECT {COLUMNS} FROM templates WHERE account_id = $1 AND name = $2")
+}
+
+fn list_sql() -> String {
+    format!("SELECT {COLUMNS} FROM templates WHERE account_id = $1 ORDER BY name")
+}
+
+fn template(row: &impl Column) -> Result<TemplateRow> {
+    Ok(TemplateRow {
+        account_id: row.int("account_id")?,
+        name: row.text("name")?,
+        snapshot_id: row.text("snapshot_id")?,
+        base: row.text("base")?,
+        created_at: row.real("created_at")?,
+    })
+}
+
+impl Store {
+    /// Records `template`; [`crate::StoreError::AlreadyExists`] when the
+    /// account has one of that name.
+    pub async fn insert_template(&self, template: &TemplateRow) -> Result<()> {
+        on_writer!(self, pool => {
+            sqlx::query(INSERT)
+                .bind(template.account_id)
+                .bind(&template.name)
+                .bind(&template.snapshot_id)
+                .bind(&template.base)
+                .bind(template.created_at)
+                .execute(pool)
+                .await
+                .map_err(|e| already_exists(e, "template", &template.name))?;
+        });
+        Ok(())
+    }
+
+    /// The account's template called `name`.
+    pub async fn get_template(&self, account_id: i64, name: &str) -> Result<Option<TemplateRow>> {
+        let sql = get_sql();
+        on_reader!(self, pool => {
+            sqlx::query(&sql)
+                .bind(account_id)
+                .bind(name)
+                .fetch_optional(pool)
+                .await?
+                .map(|r| template(&r))
+                .transpose()
+        })
+    }
+
+    /// The account's templates, by name.
+    pub async fn list_templates(&self, account_id: i64) -> Result<Vec<TemplateRow>> {
+        let sql = list_sql();
+        on_reader!(self, pool => {
+            sqlx::query(&sql).bind(account_id).fetch_all(pool).await?.iter().map(template).collect()
+        })
+    }
+
+    /// Deletes the account's template `name` (its snapshot stays); false if
+    /// there was none.
+    pub async fn delete_template(&self, account_id: i64, name: &str) -> Result<bool> {
+        let affected = on_writer!(self, pool => {
+            sqlx::query(DELETE).bind(account_id).bind(name).execute(pool).await?.rows_affected()
+        });
+        Ok(affected > 0)
+    }
+
+    /// The names of the templates that restore from snapshot `snapshot_id`.
+    pub async fn templates_of_snapshot(&self, snapshot_id: &str) -> Result<Vec<String>> {
+        on_reader!(self, pool => {
+            sqlx::query(OF_SNAPSHOT)
+                .bind(snapshot_id)
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|r| r.text("name").map_err(Into::into))
+                .collect()
+        })
+    }
+}
