@@ -25,6 +25,7 @@ mod runner;
 mod sandboxes;
 mod snapshots;
 mod sweeps;
+mod templates;
 mod usage;
 mod volumes;
 
@@ -198,7 +199,14 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route("/healthz", get(meta::healthz))
         .route("/v1/openapi.json", get(meta::openapi))
         .route("/v1/me", get(meta::me))
-        .route("/v1/templates", get(meta::templates))
+        .route(
+            "/v1/templates",
+            get(templates::list).post(templates::create),
+        )
+        .route(
+            "/v1/templates/{name}",
+            get(templates::get).delete(templates::delete),
+        )
         .route("/v1/snapshots", get(meta::snapshots))
         .route(
             "/v1/snapshots/{id}",

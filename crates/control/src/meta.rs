@@ -59,24 +59,6 @@ pub async fn me(State(cp): St, Caller(account): Caller) -> Json<Value> {
     }))
 }
 
-pub async fn templates(State(cp): St, Caller(_): Caller) -> Json<Value> {
-    let items: Vec<Value> = shoal_image::first_party_templates()
-        .into_iter()
-        .filter(|spec| cp.host.engine().template(&spec.name).is_ok())
-        .map(|spec| {
-            json!({
-                "name": spec.name,
-                "cpu": spec.vcpus,
-                "memory_mb": spec.memory_mib,
-                "is_global": true,
-                "base": "debian-bookworm",
-                "description": format!("Debian bookworm with {}", spec.packages.join(", ")),
-            })
-        })
-        .collect();
-    Json(json!({ "items": items }))
-}
-
 pub async fn snapshots(
     State(cp): St,
     Caller(account): Caller,

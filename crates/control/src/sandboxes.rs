@@ -253,25 +253,25 @@ async fn create_detached(
     let metadata = body.metadata.unwrap_or_default();
     check_metadata(&metadata)?;
     let volumes = crate::volumes::requests(&body.volumes.unwrap_or_default())?;
-    let (source, template, mode) = match &body.from_snapshot {
+    // What it restores from, the template its row names, and the
+    // first-party template that sizes it.
+    let (source, template, base, mode) = match &body.from_snapshot {
         Some(snapshot) => {
             let row = cp
                 .store
                 .get_snapshot(account.id, snapshot)
                 .await?
                 .ok_or_else(|| ApiError::not_found("snapshot not found"))?;
-            (Source::Snapshot(row.id.clone()), row.template, "snapshot")
+            let base = row.template.clone();
+            (Source::Snapshot(row.id), row.template, base, "snapshot")
         }
         None => {
             let name = body.template.unwrap_or_else(|| "code-interpreter".into());
-            if !valid_template_name(&name) {
-                return Err(ApiError::bad_request(format!("unknown template: {name}")));
-            }
-            (Source::Template(name.clone()), name, "restore")
+            let resolved = cp.template_source(&account, &name).await?;
+            (resolved.source, name, resolved.base, "restore")
         }
     };
-    // A snapshot's template gives its size.
-    let manifest = cp.host.engine().template(&template)?;
+    let manifest = cp.host.engine().template(&base)?;
     let slot = cp.host.reserve(1, manifest.memory_mib).await?;
     let new = NewSandbox {
         id: new_id(),
@@ -282,7 +282,10 @@ async fn create_detached(
         ttl_seconds: ttl,
         persistent: body.persistent.unwrap_or(false),
         max_lifetime_seconds: max_lifetime,
-        from_snapshot: body.from_snapshot.clone(),
+        from_snapshot: match &source {
+            Source::Snapshot(snapshot) => Some(snapshot.clone()),
+            Source::Template(_) => None,
+        },
         parent_id: None,
         tree_id: None,
         host: Some(cp.config.host_name.clone()),
@@ -693,47 +696,54 @@ async fn snapshot_detached(
     account: Account,
     id: String,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    cp.owned(&account, &id).await?;
-    // Refused before the capture, which writes the sandbox's whole memory;
-    // checked again, atomically, when the record is written.
-    let limits = cp.snapshot_limits(account.tier);
-    cp.store.check_snapshot_quota(&account, &limits).await?;
-    let row = cp.running(&account, &id).await?;
-    let snapshot = cp.host.snapshot(&id).await?;
-    let size = crate::snapshots::capture_bytes(&cp, &snapshot);
-    let created = now();
-    let recorded = cp
-        .store
-        .record_snapshot(
-            &account,
-            &SnapshotRow {
-                id: snapshot.clone(),
-                account_id: account.id,
-                sandbox_id: Some(id.clone()),
-                template: row.template.clone(),
-                size_bytes: size,
-                host: Some(cp.config.host_name.clone()),
-                created_at: created,
-            },
-            &limits,
-        )
-        .await;
-    if let Err(e) = recorded {
-        // A concurrent snapshot took the last place, or the database
-        // failed: no record, so no files either.
-        if let Err(cleanup) = cp.host.delete_snapshot(&snapshot).await {
-            tracing::warn!(snapshot, error = %cleanup, "removing an unrecorded snapshot");
-        }
-        return Err(e.into());
-    }
+    let row = cp.take_snapshot(&account, &id).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({
-            "id": snapshot,
-            "sandbox_id": id,
-            "template": row.template,
-            "size_bytes": size,
-            "created_at": rfc3339(created),
-        })),
+        Json(crate::snapshots::snapshot_json(&row)),
     ))
+}
+
+impl ControlPlane {
+    /// Captures the account's running sandbox `id` and records the
+    /// snapshot under its quota; no record, no files. The record names the
+    /// first-party template the memory image derives from (what a restore
+    /// sizes the VM by), whatever template the sandbox was made from.
+    pub(crate) async fn take_snapshot(
+        &self,
+        account: &Account,
+        id: &str,
+    ) -> ApiResult<SnapshotRow> {
+        self.owned(account, id).await?;
+        // Refused before the capture, which writes the sandbox's whole
+        // memory; checked again, atomically, when the record is written.
+        let limits = self.snapshot_limits(account.tier);
+        self.store.check_snapshot_quota(account, &limits).await?;
+        let row = self.running(account, id).await?;
+        let snapshot = self.host.snapshot(id).await?;
+        let template = self
+            .host
+            .engine()
+            .snapshots()
+            .into_iter()
+            .find(|m| m.id == snapshot)
+            .map_or(row.template.clone(), |m| m.template);
+        let record = SnapshotRow {
+            id: snapshot.clone(),
+            account_id: account.id,
+            sandbox_id: Some(id.to_owned()),
+            template,
+            size_bytes: crate::snapshots::capture_bytes(self, &snapshot),
+            host: Some(self.config.host_name.clone()),
+            created_at: now(),
+        };
+        if let Err(e) = self.store.record_snapshot(account, &record, &limits).await {
+            // A concurrent snapshot took the last place, or the database
+            // failed: no record, so no files either.
+            if let Err(cleanup) = self.host.delete_snapshot(&snapshot).await {
+                tracing::warn!(snapshot, error = %cleanup, "removing an unrecorded snapshot");
+            }
+            return Err(e.into());
+        }
+        Ok(record)
+    }
 }

@@ -73,6 +73,13 @@ pub async fn delete(
             refusal.retry_after = Some(15);
             return Err(refusal);
         }
+        let naming = cp.store.templates_of_snapshot(&id).await?;
+        if !naming.is_empty() {
+            return Err(ApiError::conflict(format!(
+                "snapshot {id} is template {}'s: delete the template first",
+                naming.join(", ")
+            )));
+        }
         match cp.host.delete_snapshot(&id).await {
             // Files already gone (an earlier delete that lost its record's
             // removal, a wiped state dir): the record goes all the same.

@@ -401,7 +401,17 @@ impl Front {
                 None,
             )
         };
-        if let Some(id) = snapshot_named(&body) {
+        // An account's own template restores its snapshot: the same pin.
+        let template_snapshot = match template_named(&body) {
+            Some(name) if shoal_image::find_template(&name).is_none() => self
+                .store
+                .get_template(account.id, &name)
+                .await
+                .map_err(database_error)?
+                .map(|t| t.snapshot_id),
+            _ => None,
+        };
+        if let Some(id) = snapshot_named(&body).or(template_snapshot) {
             let snapshot = self
                 .store
                 .get_snapshot(account.id, &id)
@@ -541,6 +551,7 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/sandboxes/{id}", any(about_sandbox))
         .route("/v1/sandboxes/{id}/{*rest}", any(about_sandbox))
         .route("/v1/apps", post(create).fallback(elsewhere))
+        .route("/v1/templates", post(create_template).fallback(elsewhere))
         .route("/v1/apps/{id}", any(about_app))
         .route("/v1/apps/{id}/{*rest}", any(about_app))
         .fallback(elsewhere)
@@ -963,6 +974,11 @@ fn snapshot_named(body: &serde_json::Value) -> Option<String> {
     body.get("from_snapshot")?.as_str().map(str::to_string)
 }
 
+/// The template a create's body names, if it names one.
+fn template_named(body: &serde_json::Value) -> Option<String> {
+    body.get("template")?.as_str().map(str::to_string)
+}
+
 /// The volume names a create's body lists.
 fn volume_names(body: &serde_json::Value) -> Vec<String> {
     body.get("volumes")
@@ -1008,6 +1024,49 @@ async fn create_volume(State(front): St, request: Request) -> Response {
             no_capacity()
         }
     }
+}
+
+/// Naming a sandbox or a snapshot as a template: to the host that holds
+/// it (the capture is made and kept there); 503 while that host is stale.
+async fn create_template(State(front): St, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
+    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    let named = create_body(&body);
+    let text = |key: &str| named.get(key).and_then(|v| v.as_str()).map(str::to_owned);
+    let home = if let Some(id) = text("from_sandbox") {
+        match front.store.get_sandbox(account.id, &id).await {
+            Ok(Some(row)) => row.host,
+            Ok(None) => return refuse(StatusCode::NOT_FOUND, "sandbox not found", None),
+            Err(e) => return database_error(e),
+        }
+    } else if let Some(id) = text("from_snapshot") {
+        match front.store.get_snapshot(account.id, &id).await {
+            Ok(Some(row)) => row.host,
+            Ok(None) => return refuse(StatusCode::NOT_FOUND, "snapshot not found", None),
+            Err(e) => return database_error(e),
+        }
+    } else {
+        // Nothing to pin: any agent answers (and refuses it).
+        return front
+            .forward_to_any(
+                Some(account.id),
+                parts.method,
+                &parts.uri,
+                &parts.headers,
+                body,
+            )
+            .await;
+    };
+    front
+        .forward_home(account.id, home.as_deref(), false, parts, Body::from(body))
+        .await
 }
 
 /// A request about one volume: to its host, which holds the image; a read
