@@ -1,6 +1,7 @@
 //! An account's own templates on real VMs, over HTTP against a real
 //! `shoal up` (issue 21): a running sandbox named as a template; sandboxes
-//! created with it have its files and its running processes; it is the
+//! created with it have its files and its running processes; a Slurm job
+//! whose `--partition` names it runs there; it is the
 //! account's alone (404 to another, whose create with that name fails);
 //! names are unique and first-party names refused; the snapshot under it
 //! cannot be deleted while it stands; deleting it leaves the sandboxes made
@@ -51,7 +52,8 @@ fn a_running_sandbox_becomes_an_accounts_template() {
             .ready_within(Duration::from_secs(900))
             .start()
             .await;
-        let api = Api(ApiClient::new(up.base(), up.token_of_tier("alice", "pro")));
+        let alice = up.token_of_tier("alice", "pro");
+        let api = Api(ApiClient::new(up.base(), alice.clone()));
         let stranger = Api(ApiClient::new(
             up.base(),
             up.token_of_tier("mallory", "pro"),
@@ -131,6 +133,39 @@ fn a_running_sandbox_becomes_an_accounts_template() {
             .parse()
             .unwrap_or(0);
         assert!(sleeping >= 1, "the sleep did not come along: {ran}");
+
+        // A Slurm job names it as its partition (no mapping needed): every
+        // task runs in it.
+        let submit = state.join("submit");
+        std::fs::create_dir_all(&submit).unwrap();
+        std::fs::write(
+            submit.join("job.sh"),
+            "#!/bin/sh\n#SBATCH --partition=tools\n#SBATCH --array=0-1\nsh /opt/tools/hello.sh\n",
+        )
+        .unwrap();
+        let job = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(["sbatch", "--wait", "job.sh"])
+            .current_dir(&submit)
+            .env("SHOAL_API", up.base())
+            .env("SHOAL_API_KEY", &alice)
+            .env("SHOAL_SLURM_CONFIG", submit.join("no-config.json"))
+            .env_remove("SHOAL_PARTITIONS")
+            .output()
+            .unwrap();
+        assert!(
+            job.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&job.stdout),
+            String::from_utf8_lossy(&job.stderr)
+        );
+        let outputs: Vec<String> = std::fs::read_dir(&submit)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("slurm-"))
+            .map(|e| std::fs::read_to_string(e.path()).unwrap())
+            .collect();
+        assert_eq!(outputs.len(), 2, "{outputs:?}");
+        assert!(outputs.iter().all(|o| o == "tooled\n"), "{outputs:?}");
 
         // The account's alone.
         let (status, _) = stranger

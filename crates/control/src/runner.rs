@@ -151,8 +151,21 @@ struct SweepInfo {
     /// Whether every cell value is an integer (then it is the task id).
     integer_cells: bool,
     files: Vec<(String, Vec<u8>)>,
+    /// What its sandboxes are made from: the template, or the snapshot of
+    /// an account's own template (`templates.rs`).
+    source: Source,
     vcpus: u32,
     memory_mib: u32,
+}
+
+impl SweepInfo {
+    /// The snapshot its sandboxes restore, for their rows.
+    fn restored_snapshot(&self) -> Option<String> {
+        match &self.source {
+            Source::Snapshot(snapshot) => Some(snapshot.clone()),
+            Source::Template(_) => None,
+        }
+    }
 }
 
 /// The set-up sandbox of a `fork_from` sweep, made once by the first
@@ -376,10 +389,14 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
         .await
         .map_err(|e| format!("reading the account: {e}"))?
         .ok_or("the sweep's account is gone")?;
+    let resolved = cp
+        .template_source(&account, &row.template)
+        .await
+        .map_err(|e| format!("template {}: {}", row.template, e.message))?;
     let manifest = cp
         .host
         .engine()
-        .template(&row.template)
+        .template(&resolved.base)
         .map_err(|e| format!("template {}: {e}", row.template))?;
     let numbers: Option<Vec<u32>> = row.cells.iter().map(|v| v.parse::<u32>().ok()).collect();
     let integer_cells = numbers.is_some();
@@ -403,6 +420,7 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
         array,
         integer_cells,
         files,
+        source: resolved.source,
         vcpus: manifest.vcpus,
         memory_mib: manifest.memory_mib,
     });
@@ -851,15 +869,6 @@ async fn prepare(agent: &AgentClient, info: &SweepInfo, forked: bool) -> Result<
     Ok(())
 }
 
-/// Guest RAM of `template`'s VMs, for admission (0 when it is unknown: the
-/// create that follows says why).
-fn template_memory_mib(cp: &ControlPlane, template: &str) -> u32 {
-    cp.host
-        .engine()
-        .template(template)
-        .map_or(0, |manifest| manifest.memory_mib)
-}
-
 /// A guest's own refusal fails the attempt; a broken channel means the
 /// sandbox is gone.
 fn classify_agent_error(what: &str, e: AgentError) -> Ran {
@@ -932,11 +941,7 @@ async fn make_sandbox(
         },
         None => (None, None),
     };
-    let slot = cp
-        .host
-        .reserve(1, template_memory_mib(cp, &sweep.template))
-        .await
-        .map_err(refusal)?;
+    let slot = cp.host.reserve(1, info.memory_mib).await.map_err(refusal)?;
     let lifetime = sweep.timeout_seconds + LIFETIME_MARGIN_SECONDS;
     let new = NewSandbox {
         id: crate::sandboxes::new_id(),
@@ -947,7 +952,7 @@ async fn make_sandbox(
         ttl_seconds: lifetime,
         persistent: false,
         max_lifetime_seconds: Some(lifetime),
-        from_snapshot: None,
+        from_snapshot: info.restored_snapshot(),
         parent_id: parent_id.clone(),
         tree_id: None,
         host: Some(cp.config.host_name.clone()),
@@ -971,12 +976,7 @@ async fn make_sandbox(
         }
         _ => cp
             .host
-            .create(
-                &slot,
-                &row.id,
-                &Source::Template(sweep.template.clone()),
-                CreateOptions::default(),
-            )
+            .create(&slot, &row.id, &info.source, CreateOptions::default())
             .await
             .map(|info| (info, "restore")),
     };
@@ -1055,11 +1055,7 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         .get("timeout_seconds")
         .and_then(Value::as_u64)
         .unwrap_or(sweep.timeout_seconds);
-    let slot = cp
-        .host
-        .reserve(1, template_memory_mib(cp, &sweep.template))
-        .await
-        .map_err(refusal)?;
+    let slot = cp.host.reserve(1, info.memory_mib).await.map_err(refusal)?;
     let mut metadata = shoal_store::Metadata::new();
     metadata.insert("sweep".into(), sweep.id.clone());
     metadata.insert("sweep_role".into(), "parent".into());
@@ -1074,7 +1070,7 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         ttl_seconds: 7 * 86400,
         persistent: false,
         max_lifetime_seconds: None,
-        from_snapshot: None,
+        from_snapshot: info.restored_snapshot(),
         parent_id: None,
         tree_id: None,
         host: Some(cp.config.host_name.clone()),
@@ -1086,12 +1082,7 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         .map_err(|e| Refusal::Retry(format!("fork parent: {e}")))?;
     let made = match cp
         .host
-        .create(
-            &slot,
-            &row.id,
-            &Source::Template(sweep.template.clone()),
-            CreateOptions::default(),
-        )
+        .create(&slot, &row.id, &info.source, CreateOptions::default())
         .await
     {
         Ok(made) => made,

@@ -125,9 +125,12 @@ async fn new_sweep(
         return Err(bad("name must be 1-128 characters"));
     }
     let template = required_string(body, "template")?;
-    if cp.host.engine().template(&template).is_err()
-        || !crate::sandboxes::valid_template_name(&template)
-    {
+    // A first-party template this host has, or one of the account's own.
+    let known = match cp.template_source(account, &template).await {
+        Ok(resolved) => cp.host.engine().template(&resolved.base).is_ok(),
+        Err(_) => false,
+    };
+    if !known {
         return Err(bad(format!("template: unknown template {template}")));
     }
     let command = required_string(body, "command")?;

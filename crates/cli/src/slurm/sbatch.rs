@@ -114,6 +114,9 @@ pub struct Template {
     pub name: String,
     pub cpus: u32,
     pub memory_mib: u64,
+    /// First-party (every account has it); false for the account's own,
+    /// which a job gets only by naming it as its partition.
+    pub global: bool,
 }
 
 impl Template {
@@ -122,6 +125,7 @@ impl Template {
             name: v["name"].as_str()?.to_owned(),
             cpus: v["cpu"].as_u64()? as u32,
             memory_mib: v["memory_mb"].as_u64()?,
+            global: v["is_global"].as_bool().unwrap_or(true),
         })
     }
 
@@ -150,7 +154,14 @@ pub fn choose_template(
         // As Slurm with `-p a,b`: the first partition that can take the job.
         let mut mapped = Vec::new();
         for p in &partitions {
-            let Some(name) = config.partitions.get(*p) else {
+            // Mapped by the configuration, else a template of that name
+            // (one of the account's own, say).
+            let Some(name) = config
+                .partitions
+                .get(*p)
+                .map(String::as_str)
+                .or_else(|| find(p).map(|_| *p))
+            else {
                 continue;
             };
             let t = find(name).with_context(|| {
@@ -184,7 +195,12 @@ pub fn choose_template(
     if let Some(t) = find(default).filter(|t| t.satisfies(d)) {
         return Ok((t, None));
     }
-    let mut fitting: Vec<&Template> = templates.iter().filter(|t| t.satisfies(d)).collect();
+    // Without a partition a job runs on a first-party template, never on
+    // an account's own that happens to fit.
+    let mut fitting: Vec<&Template> = templates
+        .iter()
+        .filter(|t| t.global && t.satisfies(d))
+        .collect();
     fitting.sort_by_key(|t| (t.cpus, t.memory_mib));
     if let Some(t) = fitting.first() {
         return Ok(((*t).clone(), None));
@@ -193,6 +209,7 @@ pub fn choose_template(
         .or_else(|| {
             templates
                 .iter()
+                .filter(|t| t.global)
                 .max_by_key(|t| (t.cpus, t.memory_mib))
                 .cloned()
         })
@@ -470,18 +487,41 @@ mod tests {
                 name: "code-interpreter".into(),
                 cpus: 1,
                 memory_mib: 512,
+                global: true,
             },
             Template {
                 name: "big".into(),
                 cpus: 4,
                 memory_mib: 4096,
+                global: true,
             },
             Template {
                 name: "mid".into(),
                 cpus: 2,
                 memory_mib: 2048,
+                global: true,
+            },
+            Template {
+                name: "my-tools".into(),
+                cpus: 8,
+                memory_mib: 8192,
+                global: false,
             },
         ]
+    }
+
+    #[test]
+    fn an_accounts_template_is_chosen_only_by_naming_it() {
+        let config = Config::default();
+        let (t, w) =
+            choose_template(&directives(&["-p", "my-tools"]), &templates(), &config).unwrap();
+        assert_eq!((t.name.as_str(), w), ("my-tools", None));
+        // It fits -c 8, but no job lands there without asking.
+        let (t, w) = choose_template(&directives(&["-c", "8"]), &templates(), &config).unwrap();
+        assert_eq!(t.name, "code-interpreter");
+        assert!(w.is_some());
+        let (t, _) = choose_template(&directives(&["-c", "3"]), &templates(), &config).unwrap();
+        assert_eq!(t.name, "big");
     }
 
     fn directives(args: &[&str]) -> Directives {
