@@ -144,7 +144,10 @@ async fn create_detached(
         base: snapshot.template.clone(),
         created_at: now(),
     };
-    if let Err(e) = cp.store.insert_template(&row).await {
+    // As many templates as snapshots: each needs one, and this bounds the
+    // names that may share one.
+    let limit = cp.snapshot_limits(account.tier).count;
+    if let Err(e) = cp.store.insert_template(&account, &row, limit).await {
         // The capture made for it would be nobody's to delete.
         if taken_now {
             if let Err(cleanup) = cp.host.delete_snapshot(&snapshot.id).await {

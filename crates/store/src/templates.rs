@@ -5,13 +5,14 @@
 //! [`Store::templates_of_snapshot`] for a clear refusal first).
 
 use crate::row::Column;
-use crate::sandboxes::already_exists;
-use crate::{on_reader, on_writer, Result, Store, TemplateRow};
+use crate::sandboxes::{admission_lock, already_exists};
+use crate::{on_reader, on_writer, Account, Result, Store, StoreError, TemplateRow};
 
 const COLUMNS: &str = "account_id, name, snapshot_id, base, created_at";
 const INSERT: &str = "INSERT INTO templates (account_id, name, snapshot_id, base, created_at) \
      VALUES ($1, $2, $3, $4, $5)";
 const DELETE: &str = "DELETE FROM templates WHERE account_id = $1 AND name = $2";
+const COUNT: &str = "SELECT COUNT(*) AS n FROM templates WHERE account_id = $1";
 const OF_SNAPSHOT: &str = "SELECT name FROM templates WHERE snapshot_id = $1 ORDER BY name";
 
 fn get_sql() -> String {
@@ -33,19 +34,37 @@ fn template(row: &impl Column) -> Result<TemplateRow> {
 }
 
 impl Store {
-    /// Records `template`; [`crate::StoreError::AlreadyExists`] when the
-    /// account has one of that name.
-    pub async fn insert_template(&self, template: &TemplateRow) -> Result<()> {
+    /// Records `template` for `account` if it holds fewer than `limit`
+    /// templates, atomically (the account lock of sandbox admission):
+    /// [`StoreError::Quota`] at the limit, [`StoreError::AlreadyExists`]
+    /// when it has one of that name. Several templates may name one
+    /// snapshot, so the snapshot quota alone would not bound them.
+    pub async fn insert_template(
+        &self,
+        account: &Account,
+        template: &TemplateRow,
+        limit: u32,
+    ) -> Result<()> {
+        let (begin, lock) = admission_lock(self);
         on_writer!(self, pool => {
+            let mut tx = pool.begin_with(begin).await?;
+            sqlx::query(lock).bind(account.id).fetch_optional(&mut *tx).await?;
+            let held = sqlx::query(COUNT).bind(account.id).fetch_one(&mut *tx).await?.int("n")?;
+            if held >= i64::from(limit) {
+                return Err(StoreError::Quota {
+                    message: format!("{} tier allows {limit} templates", account.tier),
+                });
+            }
             sqlx::query(INSERT)
-                .bind(template.account_id)
+                .bind(account.id)
                 .bind(&template.name)
                 .bind(&template.snapshot_id)
                 .bind(&template.base)
                 .bind(template.created_at)
-                .execute(pool)
+                .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "template", &template.name))?;
+            tx.commit().await?;
         });
         Ok(())
     }

@@ -233,14 +233,30 @@ async fn templates_name_an_accounts_snapshots(db: Arc<Db>) {
         base: "base".into(),
         created_at: T0,
     };
-    store.insert_template(&tools).await.unwrap();
+    store.insert_template(&alice, &tools, 2).await.unwrap();
     assert!(matches!(
-        store.insert_template(&tools).await,
+        store.insert_template(&alice, &tools, 2).await,
         Err(StoreError::AlreadyExists {
             what: "template",
             ..
         })
     ));
+    // Two names for one snapshot are two templates of the limit.
+    let again = TemplateRow {
+        name: "tools-2".into(),
+        ..tools.clone()
+    };
+    store.insert_template(&alice, &again, 2).await.unwrap();
+    let third = TemplateRow {
+        name: "tools-3".into(),
+        ..tools.clone()
+    };
+    let refused = store.insert_template(&alice, &third, 2).await;
+    assert!(
+        matches!(&refused, Err(StoreError::Quota { message }) if message == "pro tier allows 2 templates"),
+        "{refused:?}"
+    );
+    assert!(store.delete_template(alice.id, "tools-2").await.unwrap());
     assert_eq!(
         store.get_template(alice.id, "tools").await.unwrap(),
         Some(tools.clone())
@@ -261,7 +277,7 @@ async fn templates_name_an_accounts_snapshots(db: Arc<Db>) {
         snapshot_id: "snap-2".into(),
         ..tools.clone()
     };
-    store.insert_template(&bobs).await.unwrap();
+    store.insert_template(&bob, &bobs, 2).await.unwrap();
     assert_eq!(
         store.templates_of_snapshot("snap-1").await.unwrap(),
         ["tools"]
