@@ -5,7 +5,10 @@
 //! account's alone (404 to another, whose create with that name fails);
 //! names are unique and first-party names refused; the snapshot under it
 //! cannot be deleted while it stands; deleting it leaves the sandboxes made
-//! from it running, and a first-party template cannot be deleted.
+//! from it running, and a first-party template cannot be deleted. A
+//! template that starts a server and waits for it to answer: its sandboxes
+//! serve with no exec; a ready command that never succeeds is 422 and
+//! leaves nothing.
 //!
 //! `shoal up` runs in its own process group and is stopped by its id.
 
@@ -233,6 +236,76 @@ fn a_running_sandbox_becomes_an_accounts_template() {
             .call(Method::DELETE, &format!("/v1/snapshots/{snapshot}"), None)
             .await;
         assert_eq!(status, 204, "{body}");
+
+        // A template that starts a server and waits for it: its sandboxes
+        // answer on the port with no exec of their own.
+        let server = api
+            .sandbox(json!({"template": "code-interpreter", "ttl_seconds": 3600}))
+            .await;
+        let fetch = "python3 -c \"import urllib.request; \
+                     print(urllib.request.urlopen('http://127.0.0.1:8000/ready.txt').read().decode().strip())\"";
+        api.exec(&server, "mkdir -p /srv/www && echo up > /srv/www/ready.txt")
+            .await;
+        let (status, made) = api
+            .call(
+                Method::POST,
+                "/v1/templates",
+                Some(json!({
+                    "name": "served",
+                    "from_sandbox": server,
+                    "start_cmd": "exec python3 -m http.server 8000 --bind 127.0.0.1 --directory /srv/www",
+                    "ready_cmd": fetch,
+                })),
+            )
+            .await;
+        assert_eq!(status, 201, "{made}");
+        assert!(made["meta"]["start_cmd"]
+            .as_str()
+            .unwrap()
+            .contains("http.server"));
+        let started = std::time::Instant::now();
+        let served = api
+            .sandbox(json!({"template": "served", "ttl_seconds": 600}))
+            .await;
+        let create_ms = started.elapsed().as_millis();
+        eprintln!(
+            "FIGURE create from a template with a running server: {create_ms} ms (client side)"
+        );
+        let answer = api.exec(&served, fetch).await;
+        assert_eq!(answer["stdout"], "up\n", "{answer}");
+        // A ready command that never succeeds: 422 naming its output, and
+        // no template, no snapshot.
+        let (_, before) = api.call(Method::GET, "/v1/snapshots", None).await;
+        let (status, body) = api
+            .call(
+                Method::POST,
+                "/v1/templates",
+                Some(json!({
+                    "name": "never",
+                    "from_sandbox": server,
+                    "start_cmd": "sleep 1000",
+                    "ready_cmd": "echo not yet; false",
+                    "ready_timeout_seconds": 2,
+                })),
+            )
+            .await;
+        assert_eq!(status, 422, "{body}");
+        assert!(
+            body["error"].as_str().unwrap().contains("not yet"),
+            "{body}"
+        );
+        let (status, _) = api.call(Method::GET, "/v1/templates/never", None).await;
+        assert_eq!(status, 404);
+        let (_, after) = api.call(Method::GET, "/v1/snapshots", None).await;
+        assert_eq!(before, after);
+        let (status, _) = api
+            .call(
+                Method::POST,
+                "/v1/templates",
+                Some(json!({"name": "nope", "from_snapshot": snapshot, "start_cmd": "true"})),
+            )
+            .await;
+        assert_eq!(status, 400);
 
         drop(up);
         let _ = std::fs::remove_dir_all(&state);

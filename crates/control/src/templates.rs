@@ -18,8 +18,10 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use shoal_host::Source;
+use shoal_proto::client::ExecRequest;
 use shoal_store::{Account, StoreError, TemplateRow};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 type St = State<Arc<ControlPlane>>;
 
@@ -51,7 +53,12 @@ fn own_json(cp: &ControlPlane, account: &Account, row: &TemplateRow) -> Value {
         "is_global": false,
         "workspace": account.name,
         "base": row.base,
-        "meta": {"snapshot_id": row.snapshot_id, "created_at": rfc3339(row.created_at)},
+        "meta": {
+            "snapshot_id": row.snapshot_id,
+            "start_cmd": row.start_cmd,
+            "ready_cmd": row.ready_cmd,
+            "created_at": rfc3339(row.created_at),
+        },
     })
 }
 
@@ -90,7 +97,24 @@ pub struct CreateBody {
     from_sandbox: Option<String>,
     /// A snapshot of the account's.
     from_snapshot: Option<String>,
+    /// With `from_sandbox`: a shell command started (detached) in the
+    /// sandbox before the capture, so it runs in every sandbox of the
+    /// template.
+    start_cmd: Option<String>,
+    /// Run until it exits 0 before the capture (default: none).
+    ready_cmd: Option<String>,
+    /// How long `ready_cmd` may take to succeed (default 60, at most 600).
+    ready_timeout_seconds: Option<u64>,
 }
+
+/// Default and longest wait for a template's ready command.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+const MAX_READY_TIMEOUT_SECONDS: u64 = 600;
+/// One try of the ready command, and the pause between tries.
+const READY_TRY: Duration = Duration::from_secs(10);
+const READY_PAUSE: Duration = Duration::from_millis(250);
+/// The longest start or ready command accepted.
+const MAX_COMMAND_BYTES: usize = 16 << 10;
 
 pub async fn create(
     State(cp): St,
@@ -121,8 +145,45 @@ async fn create_detached(
     if cp.store.get_template(account.id, &name).await?.is_some() {
         return Err(ApiError::conflict(format!("template {name} exists")));
     }
+    let ready_timeout = match body.ready_timeout_seconds {
+        Some(s) if s == 0 || s > MAX_READY_TIMEOUT_SECONDS => {
+            return Err(ApiError::bad_request(format!(
+                "ready_timeout_seconds must be 1 to {MAX_READY_TIMEOUT_SECONDS}"
+            )))
+        }
+        Some(s) => Duration::from_secs(s),
+        None => READY_TIMEOUT,
+    };
+    for (field, command) in [
+        ("start_cmd", &body.start_cmd),
+        ("ready_cmd", &body.ready_cmd),
+    ] {
+        if command
+            .as_ref()
+            .is_some_and(|c| c.trim().is_empty() || c.len() > MAX_COMMAND_BYTES)
+        {
+            return Err(ApiError::bad_request(format!(
+                "{field} must be a non-empty command of at most {MAX_COMMAND_BYTES} bytes"
+            )));
+        }
+    }
+    let starts = body.start_cmd.is_some() || body.ready_cmd.is_some();
+    if starts && body.from_sandbox.is_none() {
+        return Err(ApiError::bad_request(
+            "start_cmd and ready_cmd need from_sandbox (a snapshot cannot start anything)",
+        ));
+    }
     let (snapshot, taken_now) = match (body.from_sandbox, body.from_snapshot) {
-        (Some(sandbox), None) => (cp.take_snapshot(&account, &sandbox).await?, true),
+        (Some(sandbox), None) => {
+            cp.running(&account, &sandbox).await?;
+            if let Some(start) = &body.start_cmd {
+                start_detached(&cp, &sandbox, start).await?;
+            }
+            if let Some(ready) = &body.ready_cmd {
+                wait_ready(&cp, &sandbox, ready, ready_timeout).await?;
+            }
+            (cp.take_snapshot(&account, &sandbox).await?, true)
+        }
         (None, Some(snapshot)) => {
             let row = cp
                 .store
@@ -142,6 +203,8 @@ async fn create_detached(
         name: name.clone(),
         snapshot_id: snapshot.id.clone(),
         base: snapshot.template.clone(),
+        start_cmd: body.start_cmd,
+        ready_cmd: body.ready_cmd,
         created_at: now(),
     };
     // As many templates as snapshots: each needs one, and this bounds the
@@ -163,6 +226,98 @@ async fn create_detached(
         });
     }
     Ok((StatusCode::CREATED, Json(own_json(&cp, &account, &row))))
+}
+
+/// `'...'` for a POSIX shell.
+fn shell_quoted(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "'\\''"))
+}
+
+/// Starts `command` in its own session in the sandbox, its output to
+/// `/var/log/shoal-template-start.log`, and returns once it is started (the
+/// exec's own process group ends at once; the session outlives it).
+async fn start_detached(cp: &ControlPlane, sandbox: &str, command: &str) -> ApiResult<()> {
+    let agent = cp.host.engine().agent(sandbox).await?;
+    let request = ExecRequest {
+        cmd: format!(
+            "(setsid sh -c {} > /var/log/shoal-template-start.log 2>&1 < /dev/null &)",
+            shell_quoted(command)
+        ),
+        timeout: Some(READY_TRY),
+        ..ExecRequest::default()
+    };
+    // The guest's timeout, and the host's own deadline over it.
+    let started = tokio::time::timeout(READY_TRY * 2, agent.exec_collect_limited(request, 4096))
+        .await
+        .map_err(|_| ApiError::new(StatusCode::GATEWAY_TIMEOUT, "starting start_cmd timed out"))?
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("starting start_cmd: {e}"),
+            )
+        })?;
+    if !started.status.success() {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "start_cmd could not be started",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs `command` in the sandbox until it exits 0, for at most `patience`;
+/// 422 with the end of its last output otherwise.
+async fn wait_ready(
+    cp: &ControlPlane,
+    sandbox: &str,
+    command: &str,
+    patience: Duration,
+) -> ApiResult<()> {
+    let agent = cp.host.engine().agent(sandbox).await?;
+    let deadline = Instant::now() + patience;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let one_try = left.min(READY_TRY).max(Duration::from_secs(1));
+        let request = ExecRequest {
+            cmd: command.to_owned(),
+            timeout: Some(one_try),
+            ..ExecRequest::default()
+        };
+        let last = match tokio::time::timeout(
+            one_try * 2,
+            agent.exec_collect_limited(request, 4096),
+        )
+        .await
+        {
+            Ok(Ok(output)) if output.status.success() => return Ok(()),
+            Ok(Ok(output)) => {
+                let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+                text.push_str(&String::from_utf8_lossy(&output.stderr));
+                text
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "the guest did not answer".into(),
+        };
+        if Instant::now() + READY_PAUSE >= deadline {
+            let tail: String = last
+                .chars()
+                .rev()
+                .take(500)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!(
+                    "ready_cmd did not succeed within {} s; its last output: {}",
+                    patience.as_secs(),
+                    tail.trim()
+                ),
+            ));
+        }
+        tokio::time::sleep(READY_PAUSE).await;
+    }
 }
 
 pub async fn delete(

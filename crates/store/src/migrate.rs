@@ -84,6 +84,11 @@ const SQLITE: &[Embedded] = &[
         "template grants",
         include_str!("../migrations/sqlite/0012_template_grants.sql"),
     ),
+    (
+        13,
+        "template start",
+        include_str!("../migrations/sqlite/0013_template_start.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -146,6 +151,11 @@ const POSTGRES: &[Embedded] = &[
         12,
         "template grants",
         include_str!("../migrations/postgres/0012_template_grants.sql"),
+    ),
+    (
+        13,
+        "template start",
+        include_str!("../migrations/postgres/0013_template_start.sql"),
     ),
 ];
 

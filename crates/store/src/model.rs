@@ -343,6 +343,10 @@ pub struct TemplateRow {
     pub snapshot_id: String,
     /// The first-party template the snapshot's memory image derives from.
     pub base: String,
+    /// The process started before the capture (running in every sandbox
+    /// of the template), and the command that said it was ready.
+    pub start_cmd: Option<String>,
+    pub ready_cmd: Option<String>,
     pub created_at: f64,
 }
 

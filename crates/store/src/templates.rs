@@ -8,9 +8,10 @@ use crate::row::Column;
 use crate::sandboxes::{admission_lock, already_exists};
 use crate::{on_reader, on_writer, Account, Result, Store, StoreError, TemplateRow};
 
-const COLUMNS: &str = "account_id, name, snapshot_id, base, created_at";
-const INSERT: &str = "INSERT INTO templates (account_id, name, snapshot_id, base, created_at) \
-     VALUES ($1, $2, $3, $4, $5)";
+const COLUMNS: &str = "account_id, name, snapshot_id, base, start_cmd, ready_cmd, created_at";
+const INSERT: &str = "INSERT INTO templates \
+     (account_id, name, snapshot_id, base, start_cmd, ready_cmd, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7)";
 const DELETE: &str = "DELETE FROM templates WHERE account_id = $1 AND name = $2";
 const COUNT: &str = "SELECT COUNT(*) AS n FROM templates WHERE account_id = $1";
 const OF_SNAPSHOT: &str = "SELECT name FROM templates WHERE snapshot_id = $1 ORDER BY name";
@@ -29,6 +30,8 @@ fn template(row: &impl Column) -> Result<TemplateRow> {
         name: row.text("name")?,
         snapshot_id: row.text("snapshot_id")?,
         base: row.text("base")?,
+        start_cmd: row.opt_text("start_cmd")?,
+        ready_cmd: row.opt_text("ready_cmd")?,
         created_at: row.real("created_at")?,
     })
 }
@@ -60,6 +63,8 @@ impl Store {
                 .bind(&template.name)
                 .bind(&template.snapshot_id)
                 .bind(&template.base)
+                .bind(&template.start_cmd)
+                .bind(&template.ready_cmd)
                 .bind(template.created_at)
                 .execute(&mut *tx)
                 .await

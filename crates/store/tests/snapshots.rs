@@ -231,6 +231,8 @@ async fn templates_name_an_accounts_snapshots(db: Arc<Db>) {
         name: "tools".into(),
         snapshot_id: "snap-1".into(),
         base: "base".into(),
+        start_cmd: Some("python3 -m http.server".into()),
+        ready_cmd: None,
         created_at: T0,
     };
     store.insert_template(&alice, &tools, 2).await.unwrap();
