@@ -745,12 +745,8 @@ async fn hosts(State(front): St, headers: HeaderMap) -> Response {
 
 async fn create(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let account = match front.caller(&parts).await {
-        Ok(account) => account,
-        Err(response) => return response,
-    };
-    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
-        Ok(body) => body,
+    let (account, body) = match front.caller_and_body(&parts, body).await {
+        Ok(found) => found,
         Err(response) => return response,
     };
     let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
@@ -882,6 +878,18 @@ async fn about_app(
 }
 
 impl Front {
+    /// The caller, then its body up to `limits::CREATE_BODY_MAX`: in that
+    /// order, so no body is read for a caller without a valid token.
+    async fn caller_and_body(
+        &self,
+        parts: &axum::http::request::Parts,
+        body: Body,
+    ) -> Result<(Account, Bytes), Response> {
+        let account = self.caller(parts).await?;
+        let body = limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await?;
+        Ok((account, body))
+    }
+
     /// `home`'s row, when that host is live.
     async fn live_host(&self, home: Option<&str>) -> Result<Option<HostRow>, Response> {
         let hosts = self.routing_view().await?;
@@ -994,12 +1002,8 @@ fn volume_names(body: &serde_json::Value) -> Vec<String> {
 
 async fn create_volume(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let account = match front.caller(&parts).await {
-        Ok(account) => account,
-        Err(response) => return response,
-    };
-    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
-        Ok(body) => body,
+    let (account, body) = match front.caller_and_body(&parts, body).await {
+        Ok(found) => found,
         Err(response) => return response,
     };
     let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
@@ -1030,12 +1034,8 @@ async fn create_volume(State(front): St, request: Request) -> Response {
 /// it (the capture is made and kept there); 503 while that host is stale.
 async fn create_template(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let account = match front.caller(&parts).await {
-        Ok(account) => account,
-        Err(response) => return response,
-    };
-    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
-        Ok(body) => body,
+    let (account, body) = match front.caller_and_body(&parts, body).await {
+        Ok(found) => found,
         Err(response) => return response,
     };
     let named = create_body(&body);
@@ -1073,12 +1073,8 @@ async fn create_template(State(front): St, request: Request) -> Response {
 /// works from any agent when that host is stale.
 async fn about_volume(State(front): St, Path(name): Path<String>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let account = match front.caller(&parts).await {
-        Ok(account) => account,
-        Err(response) => return response,
-    };
-    let body = match limits::read_bounded(&parts.headers, body, limits::CREATE_BODY_MAX).await {
-        Ok(body) => body,
+    let (account, body) = match front.caller_and_body(&parts, body).await {
+        Ok(found) => found,
         Err(response) => return response,
     };
     let (method, uri, headers) = (parts.method, parts.uri, parts.headers);
