@@ -2,8 +2,10 @@
 //! holds it (a delete frees its files there): GET and DELETE by id go to
 //! the host in the snapshot's row; another account's or an unknown id stops
 //! at the front with 404; while that host is stale a GET goes to any live
-//! agent and a DELETE is 503 with Retry-After. The agents are stand-ins that
-//! answer with their own name; the database (SQLite) and HTTP are real.
+//! agent and a DELETE is 503 with Retry-After. An account's template
+//! restores a snapshot, so creates naming it, and naming a template, go to
+//! that snapshot's host too. The agents are stand-ins that answer with
+//! their own name; the database (SQLite) and HTTP are real.
 
 mod common;
 
@@ -150,4 +152,164 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
         .await
         .unwrap();
     assert_eq!(answer.status(), reqwest::StatusCode::CONFLICT);
+}
+
+/// An account's template restores its snapshot, so a create naming it goes
+/// to the snapshot's host, as does naming a sandbox or snapshot as a
+/// template; another account's name pins nothing and its ids stop at the
+/// front.
+#[tokio::test]
+async fn an_accounts_templates_go_where_their_snapshot_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("shoal.db").display());
+    let store = Store::connect(&url).await.unwrap();
+    let (h1, h2) = (stand_in("h1").await, stand_in("h2").await);
+    store
+        .report_host(&report("h1", &h1, 2_000), now())
+        .await
+        .unwrap();
+    store
+        .report_host(&report("h2", &h2, 14_000), now())
+        .await
+        .unwrap();
+    let token = store.create_token("alice", Tier::Team).await.unwrap();
+    let alice = store.authenticate(&token).await.unwrap().unwrap();
+    let bob = store.create_token("bob", Tier::Team).await.unwrap();
+    for (id, host) in [("snap-on-h1", "h1"), ("snap-on-gone", "h-gone")] {
+        store
+            .insert_snapshot(&SnapshotRow {
+                id: id.into(),
+                account_id: alice.id,
+                sandbox_id: None,
+                template: "base".into(),
+                size_bytes: Some(1),
+                host: Some(host.into()),
+                created_at: now(),
+            })
+            .await
+            .unwrap();
+    }
+    for (name, snapshot) in [("tools", "snap-on-h1"), ("stranded", "snap-on-gone")] {
+        let row = shoal_store::TemplateRow {
+            account_id: alice.id,
+            name: name.into(),
+            snapshot_id: snapshot.into(),
+            base: "base".into(),
+            start_cmd: None,
+            ready_cmd: None,
+            created_at: now(),
+        };
+        store.insert_template(&alice, &row, 10).await.unwrap();
+    }
+    let on_h1 = shoal_store::NewSandbox {
+        id: "sb-on-h1".into(),
+        template: "base".into(),
+        cpu: 1,
+        memory_mb: 512,
+        metadata: Default::default(),
+        ttl_seconds: 300,
+        persistent: false,
+        max_lifetime_seconds: None,
+        from_snapshot: None,
+        parent_id: None,
+        tree_id: None,
+        host: Some("h1".into()),
+    };
+    let limits = shoal_store::TierLimits {
+        concurrent: 10,
+        creates_per_hour: 10,
+    };
+    store
+        .admit_sandbox(&alice, &on_h1, &limits, now())
+        .await
+        .unwrap();
+
+    let address = common::serve_front(&store, &url).await;
+    let http = reqwest::Client::new();
+    let post = |path: &str, token: &str, body: Value| {
+        http.post(format!("http://{address}{path}"))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+    };
+    let host_of = |answer: reqwest::Response| async move {
+        let status = answer.status();
+        let body: Value = answer.json().await.unwrap_or(Value::Null);
+        (
+            status.as_u16(),
+            body["host"].as_str().map(str::to_owned),
+            body,
+        )
+    };
+    // Placement would prefer h2; the template's snapshot is on h1.
+    let (status, host, body) = host_of(
+        post("/v1/sandboxes", &token, json!({"template": "tools"}))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!((status, host.as_deref()), (200, Some("h1")), "{body}");
+    let (_, host, body) = host_of(
+        post("/v1/sandboxes", &token, json!({"template": "base"}))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(host.as_deref(), Some("h2"), "{body}");
+    // Bob has no template of that name: nothing pins his create.
+    let (_, host, body) = host_of(
+        post("/v1/sandboxes", &bob, json!({"template": "tools"}))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(host.as_deref(), Some("h2"), "{body}");
+    // Its snapshot's host gone: 503, as for the snapshot itself.
+    let (status, _, body) = host_of(
+        post("/v1/sandboxes", &token, json!({"template": "stranded"}))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+
+    // Naming a template goes where the sandbox or snapshot is.
+    for source in [
+        json!({"name": "t1", "from_sandbox": "sb-on-h1"}),
+        json!({"name": "t2", "from_snapshot": "snap-on-h1"}),
+    ] {
+        let (status, host, body) =
+            host_of(post("/v1/templates", &token, source.clone()).await.unwrap()).await;
+        assert_eq!(
+            (status, host.as_deref()),
+            (200, Some("h1")),
+            "{source}: {body}"
+        );
+        assert_eq!(body["path"], "/v1/templates");
+    }
+    for (source, who) in [
+        (
+            json!({"name": "t3", "from_sandbox": "sb-nope"}),
+            token.as_str(),
+        ),
+        (
+            json!({"name": "t4", "from_snapshot": "snap-on-h1"}),
+            bob.as_str(),
+        ),
+    ] {
+        let (status, _, body) =
+            host_of(post("/v1/templates", who, source.clone()).await.unwrap()).await;
+        assert_eq!(status, 404, "{source}: {body}");
+    }
+    let (status, _, body) = host_of(
+        post(
+            "/v1/templates",
+            &token,
+            json!({"name": "t5", "from_snapshot": "snap-on-gone"}),
+        )
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
 }
