@@ -931,6 +931,7 @@ async fn make_sandbox(
     claim: &Claim,
 ) -> Result<String, Refusal> {
     let sweep = &info.row;
+    held_here(cp, info)?;
     let mut metadata = shoal_store::Metadata::new();
     metadata.insert("sweep".into(), sweep.id.clone());
     metadata.insert("sweep_cell".into(), claim.idx.to_string());
@@ -1010,6 +1011,21 @@ async fn make_sandbox(
 }
 
 /// Host refusals are for later; anything else fails the attempt.
+/// An account template's snapshot is on the host that took it: another
+/// host of a fleet gives the claim back (one that holds it takes it)
+/// instead of failing the attempt.
+fn held_here(cp: &ControlPlane, info: &SweepInfo) -> Result<(), Refusal> {
+    match &info.source {
+        Source::Snapshot(snapshot) if !cp.host.engine().has_snapshot(snapshot) => {
+            Err(Refusal::Retry(format!(
+                "template {}'s snapshot is on another host",
+                info.row.template
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn refusal(e: HostError) -> Refusal {
     match e {
         HostError::Full | HostError::MemoryShort { .. } | HostError::Overcommitted { .. } => {
@@ -1055,6 +1071,7 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         .get("timeout_seconds")
         .and_then(Value::as_u64)
         .unwrap_or(sweep.timeout_seconds);
+    held_here(cp, info)?;
     let slot = cp.host.reserve(1, info.memory_mib).await.map_err(refusal)?;
     let mut metadata = shoal_store::Metadata::new();
     metadata.insert("sweep".into(), sweep.id.clone());

@@ -801,6 +801,16 @@ impl Engine {
         Ok(manifest.id)
     }
 
+    /// Whether this host holds snapshot `id` (a fleet's snapshots live on
+    /// the host that took them).
+    pub fn has_snapshot(&self, id: &str) -> bool {
+        !id.is_empty()
+            && !id.contains('/')
+            && id != "."
+            && id != ".."
+            && Manifest::load(&self.captures_dir().join(id)).is_ok_and(|m| m.kind == Kind::Snapshot)
+    }
+
     /// Ids of the user snapshots on this host.
     pub fn snapshots(&self) -> Vec<Manifest> {
         let mut out: Vec<Manifest> = std::fs::read_dir(self.captures_dir())
