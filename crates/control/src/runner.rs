@@ -33,7 +33,7 @@
 use crate::{now, ControlPlane};
 use base64::Engine as _;
 use serde_json::{json, Value};
-use shoal_host::{CpuPriority, CreateOptions, HostError, Source, Usage};
+use shoal_host::{CpuPriority, CreateOptions, EngineError, HostError, Source, Usage};
 use shoal_proto::client::{AgentClient, AgentError, ExecEvent, ExecRequest};
 use shoal_proto::ErrorKind;
 use shoal_store::{
@@ -1016,7 +1016,12 @@ async fn make_sandbox(
 /// instead of failing the attempt.
 fn held_here(cp: &ControlPlane, info: &SweepInfo) -> Result<(), Refusal> {
     match &info.source {
-        Source::Snapshot(snapshot) if !cp.host.engine().has_snapshot(snapshot) => {
+        Source::Snapshot(snapshot)
+            if matches!(
+                cp.host.engine().snapshot_manifest(snapshot),
+                Err(EngineError::NoSuchSnapshot(_))
+            ) =>
+        {
             Err(Refusal::Retry(format!(
                 "template {}'s snapshot is on another host",
                 info.row.template

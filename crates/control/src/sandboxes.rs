@@ -720,19 +720,15 @@ impl ControlPlane {
         self.store.check_snapshot_quota(account, &limits).await?;
         let row = self.running(account, id).await?;
         let snapshot = self.host.snapshot(id).await?;
-        let template = self
-            .host
-            .engine()
-            .snapshots()
-            .into_iter()
-            .find(|m| m.id == snapshot)
-            .map_or(row.template.clone(), |m| m.template);
+        let manifest = self.host.engine().snapshot_manifest(&snapshot).ok();
         let record = SnapshotRow {
             id: snapshot.clone(),
             account_id: account.id,
             sandbox_id: Some(id.to_owned()),
-            template,
-            size_bytes: crate::snapshots::capture_bytes(self, &snapshot),
+            template: manifest
+                .as_ref()
+                .map_or(row.template.clone(), |m| m.template.clone()),
+            size_bytes: crate::snapshots::capture_bytes(self, &snapshot, manifest.as_ref()),
             host: Some(self.config.host_name.clone()),
             created_at: now(),
         };

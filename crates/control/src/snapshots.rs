@@ -92,10 +92,14 @@ pub async fn delete(
     .await
 }
 
-/// Bytes the host's disk holds for the capture `snapshot`: the allocated
-/// blocks of its directory's files and of its memory file (sparse files
-/// count what they hold, not their length).
-pub(crate) fn capture_bytes(cp: &ControlPlane, snapshot: &str) -> Option<i64> {
+/// Bytes the host's disk holds for the capture `snapshot` (whose manifest
+/// is `manifest`): the allocated blocks of its directory's files and of its
+/// memory file (sparse files count what they hold, not their length).
+pub(crate) fn capture_bytes(
+    cp: &ControlPlane,
+    snapshot: &str,
+    manifest: Option<&shoal_host::Manifest>,
+) -> Option<i64> {
     let engine = cp.host.engine();
     let dir = engine.state_dir().join("captures").join(snapshot);
     let mut total: u64 = std::fs::read_dir(&dir)
@@ -105,7 +109,7 @@ pub(crate) fn capture_bytes(cp: &ControlPlane, snapshot: &str) -> Option<i64> {
         .filter(|m| m.is_file())
         .map(|m| m.blocks() * 512)
         .sum();
-    if let Some(manifest) = engine.snapshots().into_iter().find(|m| m.id == snapshot) {
+    if let Some(manifest) = manifest {
         if !manifest.memory_file.starts_with(&dir) {
             total += std::fs::metadata(&manifest.memory_file).map_or(0, |m| m.blocks() * 512);
         }

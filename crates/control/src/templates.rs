@@ -175,7 +175,11 @@ async fn create_detached(
     }
     let (snapshot, taken_now) = match (body.from_sandbox, body.from_snapshot) {
         (Some(sandbox), None) => {
-            cp.running(&account, &sandbox).await?;
+            if starts {
+                // The account's own and running, before anything runs in
+                // it (`take_snapshot` checks the same for a plain capture).
+                cp.running(&account, &sandbox).await?;
+            }
             if let Some(start) = &body.start_cmd {
                 start_detached(&cp, &sandbox, start).await?;
             }

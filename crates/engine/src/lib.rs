@@ -442,7 +442,11 @@ impl Engine {
         self.start_from(id, source, options).await
     }
 
-    fn snapshot_manifest(&self, snapshot: &str) -> Result<Manifest> {
+    /// The manifest of user snapshot `snapshot`, restorable here:
+    /// [`EngineError::NoSuchSnapshot`] when this host does not hold it (a
+    /// fleet's snapshots live on the host that took them). One file read,
+    /// where [`Engine::snapshots`] reads them all.
+    pub fn snapshot_manifest(&self, snapshot: &str) -> Result<Manifest> {
         if !valid_id(snapshot) {
             return Err(EngineError::NoSuchSnapshot(snapshot.to_string()));
         }
@@ -799,16 +803,6 @@ impl Engine {
         running(&vm, &inner)?;
         let manifest = capture::capture(self, &vm, &mut inner, Kind::Snapshot, true).await?;
         Ok(manifest.id)
-    }
-
-    /// Whether this host holds snapshot `id` (a fleet's snapshots live on
-    /// the host that took them).
-    pub fn has_snapshot(&self, id: &str) -> bool {
-        !id.is_empty()
-            && !id.contains('/')
-            && id != "."
-            && id != ".."
-            && Manifest::load(&self.captures_dir().join(id)).is_ok_and(|m| m.kind == Kind::Snapshot)
     }
 
     /// Ids of the user snapshots on this host.

@@ -19,8 +19,8 @@ pub use shoal_engine::qemu::VOLUME_SLOTS;
 pub use shoal_engine::vm::OUT_OF_MEMORY;
 pub use shoal_engine::volume::valid_name as valid_volume_name;
 pub use shoal_engine::{
-    CpuPriority, CreateOptions, Engine, EngineConfig, EngineError, Fork, SandboxInfo, Usage,
-    VmFailure, VmState, VolumeAttachment,
+    CpuPriority, CreateOptions, Engine, EngineConfig, EngineError, Fork, Manifest, SandboxInfo,
+    Usage, VmFailure, VmState, VolumeAttachment,
 };
 pub use shoal_repl::{CellOutput, ReplError};
 
