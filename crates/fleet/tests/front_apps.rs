@@ -9,25 +9,15 @@ mod common;
 
 use axum::extract::Request;
 use axum::routing::any;
-use common::{now, report, stand_in};
+use common::{now, report};
 use serde_json::{json, Value};
 use shoal_store::{AppConfig, NewApp, Store, Tier};
 
 #[tokio::test]
 async fn apps_are_placed_and_then_routed_to_their_host() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", dir.path().join("shoal.db").display());
-    let store = Store::connect(&url).await.unwrap();
-    let (h1, h2) = (stand_in("h1").await, stand_in("h2").await);
     // h2 has far more memory free: placement picks it for a create.
-    store
-        .report_host(&report("h1", &h1, 2_000), now())
-        .await
-        .unwrap();
-    store
-        .report_host(&report("h2", &h2, 14_000), now())
-        .await
-        .unwrap();
+    let (store, url) = common::two_hosts(dir.path()).await;
     let token = store.create_token("alice", Tier::Team).await.unwrap();
     let account = store.authenticate(&token).await.unwrap().unwrap();
 

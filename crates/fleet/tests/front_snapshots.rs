@@ -9,24 +9,14 @@
 
 mod common;
 
-use common::{now, report, stand_in};
+use common::now;
 use serde_json::{json, Value};
-use shoal_store::{SnapshotRow, Store, Tier};
+use shoal_store::{SnapshotRow, Tier};
 
 #[tokio::test]
 async fn snapshots_are_routed_to_the_host_that_holds_them() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", dir.path().join("shoal.db").display());
-    let store = Store::connect(&url).await.unwrap();
-    let (h1, h2) = (stand_in("h1").await, stand_in("h2").await);
-    store
-        .report_host(&report("h1", &h1, 2_000), now())
-        .await
-        .unwrap();
-    store
-        .report_host(&report("h2", &h2, 14_000), now())
-        .await
-        .unwrap();
+    let (store, url) = common::two_hosts(dir.path()).await;
     let token = store.create_token("alice", Tier::Team).await.unwrap();
     let account = store.authenticate(&token).await.unwrap().unwrap();
     for (id, host) in [("snap-on-h1", "h1"), ("snap-on-gone", "h-gone")] {
@@ -161,17 +151,7 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
 #[tokio::test]
 async fn an_accounts_templates_go_where_their_snapshot_is() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", dir.path().join("shoal.db").display());
-    let store = Store::connect(&url).await.unwrap();
-    let (h1, h2) = (stand_in("h1").await, stand_in("h2").await);
-    store
-        .report_host(&report("h1", &h1, 2_000), now())
-        .await
-        .unwrap();
-    store
-        .report_host(&report("h2", &h2, 14_000), now())
-        .await
-        .unwrap();
+    let (store, url) = common::two_hosts(dir.path()).await;
     let token = store.create_token("alice", Tier::Team).await.unwrap();
     let alice = store.authenticate(&token).await.unwrap().unwrap();
     let bob = store.create_token("bob", Tier::Team).await.unwrap();

@@ -63,6 +63,22 @@ pub fn now() -> f64 {
         .as_secs_f64()
 }
 
+/// An SQLite store in `dir` (and its URL) with two live stand-in hosts:
+/// `h1` with little memory free, `h2` with much, so placement prefers `h2`
+/// unless something pins a request to `h1`.
+pub async fn two_hosts(dir: &std::path::Path) -> (Store, String) {
+    let url = format!("sqlite:{}", dir.join("shoal.db").display());
+    let store = Store::connect(&url).await.unwrap();
+    for (name, free_mib) in [("h1", 2_000), ("h2", 14_000)] {
+        let agent = stand_in(name).await;
+        store
+            .report_host(&report(name, &agent, free_mib), now())
+            .await
+            .unwrap();
+    }
+    (store, url)
+}
+
 /// A front over `store` (opened from `database_url`), with the default
 /// limits and no lost-marking during the test, serving plain HTTP on a
 /// loopback port.
