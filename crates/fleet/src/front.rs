@@ -1186,6 +1186,49 @@ impl EnvView {
 const ENV_VIEW_MAX: usize = 64 << 20;
 
 impl Front {
+    /// The stored env of each object of `view` by id: the account's whole
+    /// list for a list view, else the one object's.
+    async fn stored_envs(
+        &self,
+        kind: EnvView,
+        account: i64,
+        view: &serde_json::Value,
+        is_list: bool,
+    ) -> Result<HashMap<String, shoal_store::Metadata>, shoal_store::StoreError> {
+        let id = view.get("id").and_then(|v| v.as_str());
+        Ok(match (kind, is_list, id) {
+            (EnvView::Sweep, true, _) => self
+                .store
+                .list_sweeps(account)
+                .await?
+                .into_iter()
+                .map(|row| (row.id, row.env))
+                .collect(),
+            (EnvView::App, true, _) => self
+                .store
+                .list_apps(account)
+                .await?
+                .into_iter()
+                .map(|row| (row.id, row.config.env))
+                .collect(),
+            (EnvView::Sweep, false, Some(id)) => self
+                .store
+                .get_sweep(account, id)
+                .await?
+                .map(|row| (row.id, row.env))
+                .into_iter()
+                .collect(),
+            (EnvView::App, false, Some(id)) => self
+                .store
+                .get_app(account, id)
+                .await?
+                .map(|row| (row.id, row.config.env))
+                .into_iter()
+                .collect(),
+            (_, false, None) => HashMap::new(),
+        })
+    }
+
     /// An agent's answer with each sweep's or app's `env` as stored: the
     /// agent's role sees `{}` for work it does not run (migrations/postgres/
     /// 0010), the front's own role reads it.
@@ -1212,36 +1255,27 @@ impl Front {
         let Ok(mut view) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
             return Response::from_parts(parts, Body::from(bytes));
         };
-        let objects: Vec<&mut serde_json::Value> = match view.get(kind.list_key()) {
-            Some(serde_json::Value::Array(_)) => view[kind.list_key()]
+        let is_list = matches!(view.get(kind.list_key()), Some(serde_json::Value::Array(_)));
+        // A list's envs in one query, not one per object.
+        let stored = match self.stored_envs(kind, account, &view, is_list).await {
+            Ok(stored) => stored,
+            Err(e) => return database_error(e),
+        };
+        let objects: Vec<&mut serde_json::Value> = if is_list {
+            view[kind.list_key()]
                 .as_array_mut()
                 .map(|list| list.iter_mut().collect())
-                .unwrap_or_default(),
-            _ => vec![&mut view],
+                .unwrap_or_default()
+        } else {
+            vec![&mut view]
         };
         for object in objects {
-            let Some(id) = object.get("id").and_then(|v| v.as_str()).map(str::to_owned) else {
-                continue;
-            };
-            if object.get("env").is_none() {
-                continue;
-            }
-            let stored = match kind {
-                EnvView::Sweep => self
-                    .store
-                    .get_sweep(account, &id)
-                    .await
-                    .map(|row| row.map(|row| row.env)),
-                EnvView::App => self
-                    .store
-                    .get_app(account, &id)
-                    .await
-                    .map(|row| row.map(|row| row.config.env)),
-            };
-            match stored {
-                Ok(Some(env)) => object["env"] = json!(env),
-                Ok(None) => {}
-                Err(e) => return database_error(e),
+            let env = object
+                .get("id")
+                .and_then(|v| v.as_str())
+                .and_then(|id| stored.get(id));
+            if let (Some(env), true) = (env, object.get("env").is_some()) {
+                object["env"] = json!(env);
             }
         }
         let filled = serde_json::to_vec(&view).unwrap_or_else(|_| bytes.to_vec());
