@@ -47,6 +47,15 @@ pub struct ExecSpec {
     pub timeout_ms: Option<u64>,
     pub pty: Option<PtySize>,
     pub stdin: bool,
+    /// Run as this user and group instead of root (the image's `USER`).
+    pub ids: Option<Ids>,
+}
+
+/// A user and group id to run as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ids {
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// Runs the exec to its end on the calling thread.
@@ -54,12 +63,13 @@ pub fn run(
     agent: &Arc<Agent>,
     id: CallId,
     token: Token,
-    spec: ExecSpec,
+    mut spec: ExecSpec,
     control: Arc<ExecControl>,
     stdin_rx: Receiver<StdinChunk>,
 ) {
     let started = Instant::now();
-    match start(agent, &spec, &control) {
+    let child = crate::image::apply(&mut spec).and_then(|()| start(agent, &spec, &control));
+    match child {
         Err(err) => agent
             .outbox
             .send_on(&control.stream, Frame::new(id, err.into_msg())),
@@ -158,6 +168,7 @@ const STAGE_DUP: u8 = 3;
 const STAGE_CHDIR: u8 = 4;
 const STAGE_EXEC: u8 = 5;
 const STAGE_FORK: u8 = 6;
+const STAGE_IDS: u8 = 7;
 
 /// Everything the forked child needs, prepared before the fork because a
 /// child of a threaded process may not allocate.
@@ -173,6 +184,7 @@ struct Plan {
     /// Put on fd 3 (warm shells read their script there).
     script: Option<RawFd>,
     controlling_tty: Option<RawFd>,
+    ids: Option<Ids>,
     error_pipe: RawFd,
 }
 
@@ -254,6 +266,7 @@ fn start(agent: &Arc<Agent>, spec: &ExecSpec, control: &ExecControl) -> Result<C
             stdio: [child_stdin, child_stdout, child_stderr],
             controlling_tty,
             script: None,
+            ids: spec.ids,
         },
     )
     .map_err(|(stage, err)| match stage {
@@ -288,6 +301,7 @@ fn stage_name(stage: u8) -> &'static str {
         STAGE_CTTY => "setting the controlling terminal",
         STAGE_DUP => "dup2",
         STAGE_CHDIR => "chdir",
+        STAGE_IDS => "switching to the image's user",
         STAGE_EXEC => "exec",
         STAGE_FORK => "fork",
         _ => "unknown step",
@@ -303,6 +317,7 @@ pub(crate) struct Launch {
     pub stdio: [OwnedFd; 3],
     pub controlling_tty: Option<RawFd>,
     pub script: Option<OwnedFd>,
+    pub ids: Option<Ids>,
 }
 
 pub(crate) struct Launched {
@@ -332,6 +347,7 @@ pub(crate) fn launch(agent: &Agent, launch: Launch) -> Result<Launched, (u8, io:
         stderr: launch.stdio[2].as_raw_fd(),
         script: launch.script.as_ref().map(|fd| fd.as_raw_fd()),
         controlling_tty: launch.controlling_tty,
+        ids: launch.ids,
         error_pipe: error_write.as_raw_fd(),
     };
     let pid = agent
@@ -465,6 +481,15 @@ unsafe fn exec_child(plan: &Plan) -> ! {
             };
             if moved < 0 {
                 child_fail(plan, STAGE_DUP);
+            }
+        }
+        if let Some(ids) = plan.ids {
+            let groups = [ids.gid as libc::gid_t];
+            if libc::setgroups(1, groups.as_ptr()) < 0
+                || libc::setgid(ids.gid) < 0
+                || libc::setuid(ids.uid) < 0
+            {
+                child_fail(plan, STAGE_IDS);
             }
         }
         if let Some(cwd) = &plan.cwd {

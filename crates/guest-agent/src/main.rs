@@ -17,6 +17,7 @@ mod errors;
 mod exec;
 mod files;
 mod identity;
+mod image;
 mod init;
 mod reaper;
 mod threads;
@@ -389,6 +390,7 @@ fn dispatch(agent: &Arc<Agent>, frame: Frame<HostMsg>) {
                 timeout_ms,
                 pty,
                 stdin,
+                ids: None,
             };
             let worker = agent.clone();
             spawn_call(agent, id, "exec", move || {

@@ -188,7 +188,13 @@ fn waits_for_script(pid: i32) -> bool {
 
 /// The script for `spec`, or None when it must take the cold path.
 fn script_for(spec: &ExecSpec) -> Option<String> {
-    if spec.pty.is_some() || spec.stdin || spec.cmd.len() > MAX_SCRIPT || spec.cmd.contains('\0') {
+    // Warm shells run as root: another user's exec takes the cold path.
+    if spec.ids.is_some()
+        || spec.pty.is_some()
+        || spec.stdin
+        || spec.cmd.len() > MAX_SCRIPT
+        || spec.cmd.contains('\0')
+    {
         return None;
     }
     let mut script = String::new();
@@ -242,6 +248,7 @@ fn start(agent: &Agent) -> std::io::Result<WarmShell> {
             ],
             controlling_tty: None,
             script: Some(script_read),
+            ids: None,
         },
     )
     .map_err(|(stage, err)| std::io::Error::other(format!("step {stage}: {err}")))?;

@@ -29,6 +29,7 @@
 
 mod accounts;
 mod apps;
+mod builds;
 mod host_credentials;
 mod host_roles;
 mod hosts;
@@ -52,6 +53,7 @@ use sqlx::sqlite::{
 };
 
 pub use accounts::{bearer_token, token_hash};
+pub use builds::BUILD_LIST_LIMIT;
 pub use host_credentials::JoinRefusal;
 pub use host_roles::host_database_url;
 pub use hosts::PLACEMENT_TIMEOUT_SECONDS;

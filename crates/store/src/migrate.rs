@@ -89,6 +89,11 @@ const SQLITE: &[Embedded] = &[
         "template start",
         include_str!("../migrations/sqlite/0013_template_start.sql"),
     ),
+    (
+        14,
+        "template builds",
+        include_str!("../migrations/sqlite/0014_template_builds.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -156,6 +161,11 @@ const POSTGRES: &[Embedded] = &[
         13,
         "template start",
         include_str!("../migrations/postgres/0013_template_start.sql"),
+    ),
+    (
+        14,
+        "template builds",
+        include_str!("../migrations/postgres/0014_template_builds.sql"),
     ),
 ];
 

@@ -905,3 +905,33 @@ pub struct NewPlacement {
     pub memory_mib: u64,
     pub cpu_share: f64,
 }
+
+/// Template build statuses, in the order a build goes through them.
+pub mod build_status {
+    pub const QUEUED: &str = "queued";
+    pub const BUILDING: &str = "building";
+    pub const DONE: &str = "done";
+    pub const FAILED: &str = "failed";
+}
+
+/// A template build (issue 21): a Dockerfile on its way to an account's
+/// template.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TemplateBuildRow {
+    pub id: String,
+    pub account_id: i64,
+    /// The template it makes.
+    pub name: String,
+    /// One of [`build_status`].
+    pub status: String,
+    pub error: Option<String>,
+    /// Digest of the base and the instructions with what they read.
+    pub cache_key: Option<String>,
+    /// The snapshot the template names, once done.
+    pub snapshot_id: Option<String>,
+    /// The host that runs it.
+    pub host: Option<String>,
+    pub created_at: f64,
+    pub started_at: Option<f64>,
+    pub ended_at: Option<f64>,
+}
