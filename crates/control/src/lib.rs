@@ -13,6 +13,7 @@
 //! [`shoal_host::HostAgent`]), or SQL (only through [`shoal_store::Store`]).
 
 mod apps;
+mod builds;
 mod error;
 mod exec;
 mod extract;
@@ -98,6 +99,7 @@ pub struct ControlPlane {
     meter: lifecycle::Meter,
     runner: runner::Runner,
     apps: apps::Apps,
+    builds: builds::Builds,
 }
 
 impl ControlPlane {
@@ -110,6 +112,7 @@ impl ControlPlane {
             meter: lifecycle::Meter::default(),
             runner: runner::Runner::default(),
             apps: apps::Apps::default(),
+            builds: builds::Builds::default(),
         })
     }
 
@@ -182,6 +185,7 @@ impl ControlPlane {
     /// runner.
     pub async fn start_background(self: &Arc<Self>) -> ApiResult<()> {
         lifecycle::reconcile(self).await?;
+        builds::fail_abandoned(self).await;
         lifecycle::spawn(self.clone());
         apps::spawn(self.clone());
         if self.config.sweeps.enabled {
@@ -203,6 +207,10 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
             "/v1/templates",
             get(templates::list).post(templates::create),
         )
+        .route("/v1/templates/build", post(builds::submit))
+        .route("/v1/templates/builds", get(builds::list))
+        .route("/v1/templates/builds/{id}", get(builds::get))
+        .route("/v1/templates/builds/{id}/logs", get(builds::logs))
         .route(
             "/v1/templates/{name}",
             get(templates::get).delete(templates::delete),

@@ -248,6 +248,33 @@ async fn create_detached(
     account: Account,
     body: CreateBody,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
+    let row = create_sandbox(&cp, &account, body).await?;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&row))))
+}
+
+impl CreateBody {
+    /// What a template build asks for its builder VM: `template`, with the
+    /// internet (package registries), its id in the metadata, and no idle
+    /// reaping before the build's own deadline.
+    pub(crate) fn builder(template: &str, build_id: &str, lifetime_seconds: i64) -> Self {
+        CreateBody {
+            template: Some(template.to_owned()),
+            ttl_seconds: Some(lifetime_seconds),
+            max_lifetime_seconds: Some(lifetime_seconds),
+            metadata: Some([("shoal_build".to_owned(), build_id.to_owned())].into()),
+            allow_internet: Some(true),
+            ..CreateBody::default()
+        }
+    }
+}
+
+/// Admits and starts a sandbox for `account`: its row is running when this
+/// returns, or marked failed with nothing left running.
+pub(crate) async fn create_sandbox(
+    cp: &Arc<ControlPlane>,
+    account: &Account,
+    body: CreateBody,
+) -> ApiResult<SandboxRow> {
     let ttl = seconds("ttl_seconds", body.ttl_seconds)?.unwrap_or(DEFAULT_TTL_SECONDS);
     let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
     let metadata = body.metadata.unwrap_or_default();
@@ -303,7 +330,7 @@ async fn create_detached(
     match cp.host.create(&slot, &row.id, &source, options).await {
         Ok(info) => {
             cp.came_up(&mut row, &info, mode).await?;
-            Ok((StatusCode::CREATED, Json(sandbox_json(&row))))
+            Ok(row)
         }
         Err(e) => {
             cp.mark_failed(&row.id).await;

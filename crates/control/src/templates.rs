@@ -233,14 +233,18 @@ async fn create_detached(
 }
 
 /// `'...'` for a POSIX shell.
-fn shell_quoted(text: &str) -> String {
+pub(crate) fn shell_quoted(text: &str) -> String {
     format!("'{}'", text.replace('\'', "'\\''"))
 }
 
 /// Starts `command` in its own session in the sandbox, its output to
 /// `/var/log/shoal-template-start.log`, and returns once it is started (the
 /// exec's own process group ends at once; the session outlives it).
-async fn start_detached(cp: &ControlPlane, sandbox: &str, command: &str) -> ApiResult<()> {
+pub(crate) async fn start_detached(
+    cp: &ControlPlane,
+    sandbox: &str,
+    command: &str,
+) -> ApiResult<()> {
     let agent = cp.host.engine().agent(sandbox).await?;
     let request = ExecRequest {
         cmd: format!(
@@ -271,7 +275,7 @@ async fn start_detached(cp: &ControlPlane, sandbox: &str, command: &str) -> ApiR
 
 /// Runs `command` in the sandbox until it exits 0, for at most `patience`;
 /// 422 with the end of its last output otherwise.
-async fn wait_ready(
+pub(crate) async fn wait_ready(
     cp: &ControlPlane,
     sandbox: &str,
     command: &str,

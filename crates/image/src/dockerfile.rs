@@ -59,7 +59,11 @@ pub struct Step {
 pub enum Action {
     /// A command, as argv (a shell form line is `[shell..., line]`), run
     /// with the environment, directory and user in force.
-    Run { argv: Vec<String> },
+    Run {
+        argv: Vec<String>,
+        /// The `ARG`s in force (not kept in the template, unlike `ENV`).
+        args: BTreeMap<String, String>,
+    },
     /// Files of the build context (relative paths, `*` and `?` allowed in
     /// the last component) to `dest` (absolute; a directory when it ends in
     /// `/` or there are several sources). `ADD` also unpacks a local tar
@@ -231,9 +235,15 @@ impl Builder {
             "ARG" => self.arg(line, &i.rest),
             "RUN" => {
                 let argv = self.command(line, "RUN", &i.rest)?.0;
+                let args = self
+                    .vars
+                    .iter()
+                    .filter(|(name, _)| !self.env.contains_key(*name))
+                    .map(|(name, value)| (name.clone(), value.clone()))
+                    .collect();
                 self.steps.push(Step {
                     line,
-                    action: Action::Run { argv },
+                    action: Action::Run { argv, args },
                 });
                 Ok(())
             }
@@ -915,7 +925,10 @@ mod tests {
                     "/bin/sh".into(),
                     "-c".into(),
                     "${PY} -m pip install -r requirements.txt && echo done".into()
-                ]
+                ],
+                args: [("PKG", "numpy"), ("PY", "python3")]
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .into(),
             }
         );
         assert_eq!(parsed.steps[3].line, 9);

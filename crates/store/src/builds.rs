@@ -19,6 +19,9 @@ const CACHED: &str = "SELECT b.snapshot_id AS snapshot_id FROM template_builds b
      JOIN snapshots s ON s.id = b.snapshot_id \
      WHERE b.account_id = $1 AND b.cache_key = $2 AND b.status = 'done' \
      ORDER BY b.ended_at DESC LIMIT 1";
+/// Whether a build of the account made the snapshot.
+const MADE_BY_BUILD: &str = "SELECT COUNT(*) AS n FROM template_builds \
+     WHERE account_id = $1 AND snapshot_id = $2";
 /// Builds a host left queued or building (it stopped mid-build).
 const ABANDONED: &str = "UPDATE template_builds SET status = 'failed', \
      error = 'the host stopped during the build', ended_at = $2 \
@@ -139,6 +142,20 @@ impl Store {
                 .await?
                 .map(|r| r.text("snapshot_id").map_err(Into::into))
                 .transpose()
+        })
+    }
+
+    /// Whether a build of the account made `snapshot_id` (so replacing its
+    /// template may collect it).
+    pub async fn snapshot_made_by_build(&self, account_id: i64, snapshot_id: &str) -> Result<bool> {
+        on_reader!(self, pool => {
+            let n = sqlx::query(MADE_BY_BUILD)
+                .bind(account_id)
+                .bind(snapshot_id)
+                .fetch_one(pool)
+                .await?
+                .int("n")?;
+            Ok(n > 0)
         })
     }
 
