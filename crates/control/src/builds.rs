@@ -274,23 +274,96 @@ fn valid_context_path(path: &str) -> bool {
 const TEXT_FIELDS: &[&str] = &[
     "name",
     "dockerfile",
+    "image_ref",
     "size_mb",
     "cpu",
     "memory_mb",
     "kernel",
 ];
 
+fn text_limit(field: &str) -> usize {
+    if field == "dockerfile" {
+        dockerfile::MAX_DOCKERFILE_BYTES
+    } else {
+        4096
+    }
+}
+
+impl Submission {
+    /// Takes one of [`TEXT_FIELDS`].
+    fn take_text(&mut self, field: &str, text: String) -> ApiResult<()> {
+        if text.len() > text_limit(field) {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("field {field} is over {} bytes", text_limit(field)),
+            ));
+        }
+        match field {
+            "name" => self.name = Some(text),
+            "dockerfile" => self.dockerfile = Some(text),
+            "image_ref" => self.other_source = Some("image_ref"),
+            "kernel" => {}
+            // Sizes: a template's VM is its base's today.
+            _ => {
+                if text.trim().parse::<u32>().is_err() {
+                    return Err(ApiError::bad_request(format!(
+                        "{field} must be a whole number"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The submission, from a multipart form (with context files, as the SDK
+/// sends one with a context) or a urlencoded one (without, as the SDK
+/// sends one without).
+async fn read_form(request: axum::extract::Request) -> ApiResult<Submission> {
+    use axum::extract::FromRequest;
+    let content_type = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    if content_type.starts_with("multipart/form-data") {
+        let multipart = Multipart::from_request(request, &())
+            .await
+            .map_err(|e| ApiError::bad_request(e.body_text()))?;
+        return read_submission(multipart).await;
+    }
+    if !content_type.starts_with("application/x-www-form-urlencoded") {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "send a multipart/form-data or application/x-www-form-urlencoded form",
+        ));
+    }
+    let limit = dockerfile::MAX_DOCKERFILE_BYTES * 3 + 64 * 1024;
+    let bytes = axum::body::to_bytes(request.into_body(), limit)
+        .await
+        .map_err(|_| ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "the form is too large"))?;
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_bytes(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("reading the form: {e}")))?;
+    let mut submission = Submission::default();
+    for (field, value) in pairs {
+        if !TEXT_FIELDS.contains(&field.as_str()) {
+            return Err(ApiError::bad_request(format!(
+                "unknown field {field}: context files need a multipart form"
+            )));
+        }
+        submission.take_text(&field, value)?;
+    }
+    Ok(submission)
+}
+
 async fn read_submission(mut multipart: Multipart) -> ApiResult<Submission> {
     let mut submission = Submission::default();
     while let Some(mut field) = multipart.next_field().await.map_err(multipart_error)? {
         let name = field.name().unwrap_or_default().to_owned();
         let is_file = field.file_name().is_some();
-        if !is_file && TEXT_FIELDS.contains(&name.as_str()) || name == "image_ref" {
-            let limit = if name == "dockerfile" {
-                dockerfile::MAX_DOCKERFILE_BYTES
-            } else {
-                4096
-            };
+        if !is_file && TEXT_FIELDS.contains(&name.as_str()) {
+            let limit = text_limit(&name);
             let mut text = Vec::new();
             while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
                 if text.len() + chunk.len() > limit {
@@ -303,19 +376,7 @@ async fn read_submission(mut multipart: Multipart) -> ApiResult<Submission> {
             }
             let text = String::from_utf8(text)
                 .map_err(|_| ApiError::bad_request(format!("field {name} is not UTF-8")))?;
-            match name.as_str() {
-                "name" => submission.name = Some(text),
-                "dockerfile" => submission.dockerfile = Some(text),
-                "image_ref" => submission.other_source = Some("image_ref"),
-                // Sizes: a template's VM is its base's today.
-                _ => {
-                    if name != "kernel" && text.trim().parse::<u32>().is_err() {
-                        return Err(ApiError::bad_request(format!(
-                            "{name} must be a whole number"
-                        )));
-                    }
-                }
-            }
+            submission.take_text(&name, text)?;
             continue;
         }
         if name == "rootfs" && is_file {
@@ -520,9 +581,9 @@ struct Job {
 pub async fn submit(
     State(cp): St,
     Caller(account): Caller,
-    multipart: Multipart,
+    request: axum::extract::Request,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let submission = read_submission(multipart).await?;
+    let submission = read_form(request).await?;
     let name = submission
         .name
         .ok_or_else(|| ApiError::bad_request("name is required"))?;
