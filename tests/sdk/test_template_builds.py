@@ -208,3 +208,57 @@ def test_bad_dockerfiles_fail_naming_the_line_and_leave_nothing(shoal, make_acco
         client.templates.get("bad")
     live, snapshots = _leftovers(shoal, owner.token)
     assert live == [] and snapshots == [], (live, snapshots)
+
+
+def test_the_cli_builds_lists_and_removes_a_template(shoal, make_account, tmp_path):
+    """`shoal template build -f`, `template list`, `template rm` against
+    the same server, as a user with SHOAL_API and SHOAL_API_KEY set."""
+    from conftest import shoal_bin
+
+    owner = make_account("team", "builds-cli")
+    project = tmp_path / "project"
+    (project / "bin").mkdir(parents=True)
+    (project / "bin" / "hello").write_text("#!/bin/sh\necho hello from $WHO\n")
+    (project / "secret.key").write_text("not for the image")
+    (project / ".dockerignore").write_text("*.key\n")
+    (project / "Dockerfile").write_text(
+        "FROM base\nENV WHO=the-cli\nCOPY bin/hello /usr/local/bin/\n"
+        "RUN chmod +x /usr/local/bin/hello && echo built-by-the-cli\n"
+    )
+    env = dict(os.environ, SHOAL_API=shoal.url, SHOAL_API_KEY=owner.token,
+               SHOAL_SLURM_CONFIG=str(tmp_path / "none.json"))
+
+    def shoal_cli(*args, check=True):
+        done = subprocess.run([shoal_bin(), *args], env=env, capture_output=True, text=True, timeout=900)
+        assert not check or done.returncode == 0, (args, done.returncode, done.stdout, done.stderr)
+        return done
+
+    built = shoal_cli("template", "build", "-f", str(project / "Dockerfile"), "tool")
+    assert built.stdout.startswith("tool: ready (build bld-"), built.stdout
+    # The log streamed to the terminal while the build ran.
+    assert "built-by-the-cli" in built.stderr + built.stdout, built
+    listed = shoal_cli("template", "list").stdout.splitlines()
+    assert listed[0].split()[:3] == ["NAME", "CPUS", "MEM_MB"], listed
+    row = next(line.split() for line in listed if line.startswith("tool "))
+    assert row[3:5] == ["account", "base"], row
+
+    client = shoal.client(owner.token)
+    sandbox = client.sandboxes.create(template="tool")
+    try:
+        result = sandbox.exec("hello; test -e /secret.key || echo no-key")
+        assert result.stdout == "hello from the-cli\nno-key\n", result.stdout
+    finally:
+        sandbox.kill()
+
+    again = shoal_cli("template", "build", "-f", str(project / "Dockerfile"), "tool")
+    assert "unchanged since an earlier build" in again.stdout, again.stdout
+
+    failing = project / "Failing"
+    failing.write_text("FROM base\nRUN exit 7\n")
+    failed = shoal_cli("template", "build", "-f", str(failing), "broken", check=False)
+    assert failed.returncode == 1 and "Dockerfile line 2" in failed.stderr, failed
+
+    assert shoal_cli("template", "rm", "tool").stdout == "tool: deleted\n"
+    gone = shoal_cli("template", "rm", "tool", check=False)
+    assert gone.returncode == 1 and "404" in gone.stderr, gone
+    assert "tool " not in shoal_cli("template", "list").stdout

@@ -10,6 +10,7 @@ mod bench_fleet;
 mod bench_sweep;
 mod fleet;
 mod slurm;
+mod templates;
 mod up;
 
 use anyhow::{Context, Result};
@@ -150,21 +151,43 @@ enum Command {
 
 #[derive(Subcommand)]
 enum TemplateCommand {
-    /// Build (or reuse) a template: image, boot, snapshot.
+    /// With -f: build NAME from a Dockerfile on the API's fleet (SHOAL_API,
+    /// SHOAL_API_KEY), following its log. Without: bake first-party
+    /// templates on this host (image, boot, snapshot), or reuse their bakes.
     Build {
         #[command(flatten)]
         engine: EngineArgs,
-        /// Template names; all first-party templates when none is given.
+        /// With -f, the one template to build; without, first-party
+        /// templates (all of them when none is given).
         names: Vec<String>,
         /// The guest agent binary to install (default: next to `shoal`).
         #[arg(long, env = "SHOAL_GUEST_AGENT")]
         guest_agent: Option<PathBuf>,
+        /// A Dockerfile to build on the API's fleet as the account's own.
+        #[arg(short = 'f', long = "file")]
+        file: Option<PathBuf>,
+        /// With -f: the build context (what COPY and ADD read); the
+        /// Dockerfile's directory when not given.
+        #[arg(long, requires = "file")]
+        context: Option<PathBuf>,
+        /// With -f: print the build's id and return without following it.
+        #[arg(long, requires = "file")]
+        detach: bool,
     },
-    /// List the first-party templates, whether they are baked here, and
-    /// whether each bake's memory file is still what the bake wrote.
+    /// The templates the account can use, from the API (SHOAL_API); with
+    /// --local, the first-party bakes on this host and whether each bake's
+    /// memory file is still what the bake wrote.
     List {
         #[command(flatten)]
         engine: EngineArgs,
+        #[arg(long)]
+        local: bool,
+    },
+    /// Delete templates of the account's (their snapshots stay until no
+    /// sandbox or template needs them).
+    Rm {
+        #[arg(required = true)]
+        names: Vec<String>,
     },
 }
 
@@ -231,9 +254,39 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Template {
             command:
                 TemplateCommand::Build {
+                    names,
+                    file: Some(file),
+                    context,
+                    detach,
+                    ..
+                },
+        } => {
+            let [name] = names.as_slice() else {
+                anyhow::bail!("with -f, name the one template to build: shoal template build -f Dockerfile NAME");
+            };
+            templates::build(
+                name,
+                &templates::RemoteBuildArgs {
+                    file,
+                    context,
+                    detach,
+                },
+            )
+            .await
+        }
+        Command::Template {
+            command: TemplateCommand::Rm { names },
+        } => templates::remove(&names).await,
+        Command::Template {
+            command: TemplateCommand::List { local: false, .. },
+        } => templates::list().await,
+        Command::Template {
+            command:
+                TemplateCommand::Build {
                     engine,
                     names,
                     guest_agent,
+                    ..
                 },
         } => {
             let engine = engine.open().await?;
@@ -260,7 +313,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Template {
-            command: TemplateCommand::List { engine },
+            command: TemplateCommand::List { engine, .. },
         } => {
             let engine = engine.open().await?;
             for spec in shoal_image::first_party_templates() {

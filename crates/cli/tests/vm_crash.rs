@@ -67,7 +67,7 @@ fn leftovers_of_a_sigkilled_host_are_reaped_at_start() {
     // A new start on the same state directory reaps everything.
     let started = Instant::now();
     let listed = Command::new(shoal)
-        .args(["template", "list", "--state-dir"])
+        .args(["template", "list", "--local", "--state-dir"])
         .arg(&state)
         .arg("--cache-dir")
         .arg(&cache)

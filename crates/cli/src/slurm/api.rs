@@ -1,5 +1,5 @@
-//! The few API calls the Slurm commands make: templates, sweeps, cells,
-//! cancel. Answers are kept as JSON; the views and the follower read the
+//! The few API calls the Slurm and template commands make: templates,
+//! builds, sweeps, cells, cancel. Answers are kept as JSON; the views and the follower read the
 //! fields they need (the contract is docs/api/SWEEPS.md).
 //!
 //! Owns: HTTP, the bearer token, turning a non-2xx into an error carrying
@@ -31,32 +31,54 @@ impl Api {
         })
     }
 
-    async fn call(
+    /// A request to `path` carrying the caller's token.
+    pub(crate) fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+    }
+
+    pub(crate) async fn call(
         &self,
         method: reqwest::Method,
         path: &str,
         body: Option<&Value>,
     ) -> Result<Value> {
-        let url = format!("{}{path}", self.base);
-        let mut request = self.http.request(method, &url).bearer_auth(&self.token);
+        let mut request = self.request(method, path);
         if let Some(body) = body {
             request = request.json(body);
         }
-        let response = request
-            .send()
+        self.send(request).await
+    }
+
+    /// Sends a request and reads its JSON answer.
+    pub(crate) async fn send(&self, request: reqwest::RequestBuilder) -> Result<Value> {
+        let response = self.open(request).await?;
+        let text = response.text().await.unwrap_or_default();
+        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// Sends a request and hands back a 2xx response unread (a stream);
+    /// any other status is an error carrying the API's own message.
+    pub(crate) async fn open(&self, request: reqwest::RequestBuilder) -> Result<reqwest::Response> {
+        let request = request.build()?;
+        let url = request.url().to_string();
+        let response = self
+            .http
+            .execute(request)
             .await
             .with_context(|| format!("calling {url}"))?;
         let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
         let text = response.text().await.unwrap_or_default();
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        if !status.is_success() {
-            let message = value["error"]
-                .as_str()
-                .map(str::to_owned)
-                .unwrap_or_else(|| text.trim().to_owned());
-            return Err(anyhow!("{status}: {message}"));
-        }
-        Ok(value)
+        let message = value["error"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| text.trim().to_owned());
+        Err(anyhow!("{status}: {message}"))
     }
 
     /// `[{name, cpu, memory_mb}...]`, the templates this API can run.
