@@ -110,7 +110,11 @@ pub async fn build(name: &str, args: &RemoteBuildArgs) -> Result<std::process::E
             .unwrap_or_else(|| PathBuf::from(".")),
     };
     let files = context_files(&root)?;
+    // Names as they are (`bin/tool`), as Python's requests sends them:
+    // reqwest's default percent-encodes them into `name*=`, which the
+    // server's multipart reader does not take as the part's name.
     let mut form = reqwest::multipart::Form::new()
+        .percent_encode_noop()
         .text("name", name.to_owned())
         .text("dockerfile", dockerfile);
     for (rel, path) in &files {
@@ -207,7 +211,12 @@ async fn follow_log(api: &Api, id: &str, progress: &indicatif::ProgressBar) -> R
             if data.starts_with("Step ") {
                 progress.set_message(data.to_owned());
             }
-            progress.println(data);
+            // Piped (no terminal, so no spinner): the lines as they are.
+            if progress.is_hidden() {
+                eprintln!("{data}");
+            } else {
+                progress.println(data);
+            }
         }
         // A line longer than the server sends is not a log line.
         if pending.len() > 64 * 1024 {
