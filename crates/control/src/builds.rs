@@ -216,10 +216,7 @@ fn build_json(row: &TemplateBuildRow) -> Value {
         "started_at": row.started_at.map(rfc3339),
         "ended_at": row.ended_at.map(rfc3339),
         "snapshot_id": row.snapshot_id,
-        "cache_hit": row.status == build_status::DONE
-            && row.started_at.is_some()
-            && row.cache_key.is_some()
-            && row.host.is_none(),
+        "cache_hit": row.cache_hit,
     })
 }
 
@@ -644,7 +641,10 @@ pub async fn submit(
         error: None,
         cache_key: Some(cache_key(&base.identity, &text, &submission.context)),
         snapshot_id: None,
-        host: None,
+        // This process holds the live log and runs it (a fleet's front
+        // sends the build's reads here).
+        host: Some(cp.config.host_name.clone()),
+        cache_hit: false,
         created_at: now(),
         started_at: None,
         ended_at: None,
@@ -685,11 +685,11 @@ async fn run(cp: Arc<ControlPlane>, account: Account, mut job: Job, log: Arc<Liv
         tracing::error!(build = job.row.id, error = %e, "recording a build's start");
     }
     let outcome = match cached(&cp, &account, &job, &log).await {
-        Ok(Some(snapshot)) => Ok(snapshot),
-        Ok(None) => {
-            job.row.host = Some(cp.config.host_name.clone());
-            build(&cp, &account, &job, &log).await
+        Ok(Some(snapshot)) => {
+            job.row.cache_hit = true;
+            Ok(snapshot)
         }
+        Ok(None) => build(&cp, &account, &job, &log).await,
         Err(e) => Err(e),
     };
     drop(permit);

@@ -28,6 +28,8 @@
 //!   unavailable` with `Retry-After: 15`.
 //! - a request about one snapshot: to the host that holds its files; a
 //!   read works from any agent when that host is stale, a delete is 503.
+//! - a request about one template build: to the host that runs it (its
+//!   live log is there); any agent reads it when that host is stale.
 //! - the fleet-internal routes (`/v1/fleet/...`, fleet token): heartbeats,
 //!   the configuration an agent starts with, the hosts as placement sees
 //!   them.
@@ -552,6 +554,8 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/sandboxes/{id}/{*rest}", any(about_sandbox))
         .route("/v1/apps", post(create).fallback(elsewhere))
         .route("/v1/templates", post(create_template).fallback(elsewhere))
+        .route("/v1/templates/builds/{id}", any(about_build))
+        .route("/v1/templates/builds/{id}/{*rest}", any(about_build))
         .route("/v1/apps/{id}", any(about_app))
         .route("/v1/apps/{id}/{*rest}", any(about_app))
         .fallback(elsewhere)
@@ -834,6 +838,31 @@ async fn about_snapshot(State(front): St, Path(id): Path<String>, request: Reque
     let readable = parts.method == Method::GET;
     front
         .forward_home(account.id, home.as_deref(), readable, parts, body)
+        .await
+}
+
+/// A request about one template build goes to the host whose process
+/// accepted it: that process runs it and holds its live log (`logs?follow`
+/// tails it there). When that host is stale, any agent answers from the
+/// database (the row, the stored log).
+async fn about_build(
+    State(front): St,
+    Path(params): Path<HashMap<String, String>>,
+    request: Request,
+) -> Response {
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
+    let id = params.get("id").cloned().unwrap_or_default();
+    let home = match front.store.get_build(account.id, &id).await {
+        Ok(Some(row)) => row.host,
+        Ok(None) => return refuse(StatusCode::NOT_FOUND, "build not found", None),
+        Err(e) => return database_error(e),
+    };
+    front
+        .forward_home(account.id, home.as_deref(), true, parts, body)
         .await
 }
 

@@ -293,3 +293,56 @@ async fn an_accounts_templates_go_where_their_snapshot_is() {
     .await;
     assert_eq!(status, 503, "{body}");
 }
+
+/// A template build's reads go to the host that runs it (its live log is
+/// there), whatever placement prefers; another account's build stops at the
+/// front; a build whose host is gone is read from any agent.
+#[tokio::test]
+async fn builds_are_read_on_the_host_that_runs_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, url) = common::two_hosts(dir.path()).await;
+    let token = store.create_token("alice", Tier::Team).await.unwrap();
+    let account = store.authenticate(&token).await.unwrap().unwrap();
+    for (id, host) in [("bld-on-h1", "h1"), ("bld-on-gone", "h-gone")] {
+        store
+            .insert_build(&shoal_store::TemplateBuildRow {
+                id: id.into(),
+                account_id: account.id,
+                name: "analysis".into(),
+                status: shoal_store::build_status::BUILDING.into(),
+                error: None,
+                cache_key: None,
+                snapshot_id: None,
+                host: Some(host.into()),
+                cache_hit: false,
+                created_at: now(),
+                started_at: Some(now()),
+                ended_at: None,
+            })
+            .await
+            .unwrap();
+    }
+    let address = common::serve_front(&store, &url).await;
+    let base = format!("http://{address}");
+    let http = reqwest::Client::new();
+    let get = |path: &str, token: &str| http.get(format!("{base}{path}")).bearer_auth(token).send();
+    for path in [
+        "/v1/templates/builds/bld-on-h1",
+        "/v1/templates/builds/bld-on-h1/logs?follow=1",
+    ] {
+        let answer: Value = get(path, &token).await.unwrap().json().await.unwrap();
+        assert_eq!(answer["host"], "h1", "{path}: {answer}");
+    }
+    let bob = store.create_token("bob", Tier::Team).await.unwrap();
+    let answer = get("/v1/templates/builds/bld-on-h1/logs", &bob)
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::NOT_FOUND);
+    let answer: Value = get("/v1/templates/builds/bld-on-gone", &token)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(answer["host"] == "h1" || answer["host"] == "h2", "{answer}");
+}

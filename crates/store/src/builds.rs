@@ -6,12 +6,12 @@ use crate::row::Column;
 use crate::{on_reader, on_writer, Result, Store, TemplateBuildRow};
 
 const COLUMNS: &str = "id, account_id, name, status, error, cache_key, snapshot_id, host, \
-                       created_at, started_at, ended_at";
+                       cache_hit, created_at, started_at, ended_at";
 const INSERT: &str = "INSERT INTO template_builds \
-     (id, account_id, name, status, error, cache_key, snapshot_id, host, created_at, started_at, ended_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+     (id, account_id, name, status, error, cache_key, snapshot_id, host, cache_hit, created_at, started_at, ended_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 const UPDATE: &str = "UPDATE template_builds SET status = $2, error = $3, cache_key = $4, \
-     snapshot_id = $5, host = $6, started_at = $7, ended_at = $8 WHERE id = $1";
+     snapshot_id = $5, host = $6, cache_hit = $7, started_at = $8, ended_at = $9 WHERE id = $1";
 const SET_LOG: &str = "UPDATE template_builds SET log = $2 WHERE id = $1";
 const GET_LOG: &str = "SELECT log FROM template_builds WHERE account_id = $1 AND id = $2";
 /// A done build's snapshot that still exists, newest first.
@@ -40,6 +40,7 @@ fn build(row: &impl Column) -> Result<TemplateBuildRow> {
         cache_key: row.opt_text("cache_key")?,
         snapshot_id: row.opt_text("snapshot_id")?,
         host: row.opt_text("host")?,
+        cache_hit: row.boolean("cache_hit")?,
         created_at: row.real("created_at")?,
         started_at: row.opt_real("started_at")?,
         ended_at: row.opt_real("ended_at")?,
@@ -58,6 +59,7 @@ impl Store {
                 .bind(&b.cache_key)
                 .bind(&b.snapshot_id)
                 .bind(&b.host)
+                .bind(b.cache_hit)
                 .bind(b.created_at)
                 .bind(b.started_at)
                 .bind(b.ended_at)
@@ -77,6 +79,7 @@ impl Store {
                 .bind(&b.cache_key)
                 .bind(&b.snapshot_id)
                 .bind(&b.host)
+                .bind(b.cache_hit)
                 .bind(b.started_at)
                 .bind(b.ended_at)
                 .execute(pool)

@@ -929,8 +929,10 @@ pub struct TemplateBuildRow {
     pub cache_key: Option<String>,
     /// The snapshot the template names, once done.
     pub snapshot_id: Option<String>,
-    /// The host that runs it.
+    /// The host whose process accepted it, holds its live log and runs it.
     pub host: Option<String>,
+    /// Done by naming an identical earlier build's snapshot.
+    pub cache_hit: bool,
     pub created_at: f64,
     pub started_at: Option<f64>,
     pub ended_at: Option<f64>,

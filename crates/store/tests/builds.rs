@@ -31,7 +31,8 @@ fn build(account: &Account, id: &str, at: f64) -> TemplateBuildRow {
         error: None,
         cache_key: Some("key-1".into()),
         snapshot_id: None,
-        host: None,
+        host: Some("h1".into()),
+        cache_hit: false,
         created_at: at,
         started_at: None,
         ended_at: None,
@@ -97,6 +98,7 @@ async fn builds_are_the_accounts_own(db: Arc<Db>) {
     done.error = Some("Dockerfile line 2: RUN exited with status 3".into());
     done.started_at = Some(T0 + 2.0);
     done.ended_at = Some(T0 + 3.0);
+    done.cache_hit = true;
     store.update_build(&done).await.unwrap();
     assert_eq!(
         store.get_build(owner.id, "bld-2").await.unwrap().unwrap(),

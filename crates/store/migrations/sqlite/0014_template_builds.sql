@@ -7,7 +7,8 @@
 -- build printed, kept to its last 256 KiB. `cache_key` digests the base
 -- and every instruction with the context files they read: a later build
 -- with the same key reuses `snapshot_id` (if that snapshot still exists)
--- instead of running again.
+-- instead of running again, and is marked `cache_hit`. `host` is the host
+-- whose process accepted the build: it holds the live log and runs it.
 CREATE TABLE template_builds (
     id           TEXT    PRIMARY KEY,
     account_id   INTEGER NOT NULL REFERENCES accounts (id),
@@ -17,6 +18,7 @@ CREATE TABLE template_builds (
     cache_key    TEXT,
     snapshot_id  TEXT,
     host         TEXT,
+    cache_hit    BOOLEAN NOT NULL DEFAULT FALSE,
     log          TEXT    NOT NULL DEFAULT '',
     created_at   REAL NOT NULL,
     started_at   REAL,
