@@ -180,6 +180,11 @@ def test_bad_dockerfiles_fail_naming_the_line_and_leave_nothing(shoal, make_acco
         client.templates.build_from_dockerfile("bad", "FROM base\nRUN true\nSHOUT loudly\n")
     assert "line 3" in str(unknown.value) and "SHOUT" in str(unknown.value)
 
+    # A size the template would not have is refused, not ignored.
+    with pytest.raises(PandastackError) as sized:
+        client.templates.build_from_dockerfile("bad", "FROM base\nRUN true\n", cpu=3, memory_mb=1024)
+    assert "base's size" in str(sized.value) and "8 vCPUs and 4096 MiB" in str(sized.value), sized.value
+
     context = tmp_path / "ctx"
     context.mkdir()
     (context / "present.txt").write_text("here")
@@ -262,3 +267,6 @@ def test_the_cli_builds_lists_and_removes_a_template(shoal, make_account, tmp_pa
     gone = shoal_cli("template", "rm", "tool", check=False)
     assert gone.returncode == 1 and "404" in gone.stderr, gone
     assert "tool " not in shoal_cli("template", "list").stdout
+    # The build made its snapshot for the template alone: it went with it.
+    live, snapshots = _leftovers(shoal, owner.token)
+    assert live == [] and snapshots == [], (live, snapshots)

@@ -236,6 +236,10 @@ struct Context {
 struct Submission {
     name: Option<String>,
     dockerfile: Option<String>,
+    /// The sizes asked for; a template runs at its base's (checked against
+    /// it, never ignored).
+    cpu: Option<u32>,
+    memory_mb: Option<u32>,
     context: Context,
     other_source: Option<&'static str>,
 }
@@ -300,12 +304,16 @@ impl Submission {
             "dockerfile" => self.dockerfile = Some(text),
             "image_ref" => self.other_source = Some("image_ref"),
             "kernel" => {}
-            // Sizes: a template's VM is its base's today.
             _ => {
-                if text.trim().parse::<u32>().is_err() {
-                    return Err(ApiError::bad_request(format!(
-                        "{field} must be a whole number"
-                    )));
+                let number = text.trim().parse::<u32>().map_err(|_| {
+                    ApiError::bad_request(format!("{field} must be a whole number"))
+                })?;
+                match field {
+                    "cpu" => self.cpu = Some(number),
+                    "memory_mb" => self.memory_mb = Some(number),
+                    // size_mb: the disk is the base's overlay, which grows
+                    // as the template writes (within the host's disk checks).
+                    _ => {}
                 }
             }
         }
@@ -522,6 +530,8 @@ fn from_line(text: &str) -> usize {
 struct ResolvedBase {
     template: String,
     identity: String,
+    vcpus: u32,
+    memory_mib: u64,
 }
 
 async fn resolve_base(
@@ -550,20 +560,50 @@ async fn resolve_base(
         .template_source(account, &template)
         .await
         .map_err(|_| unknown())?;
-    let identity = match &resolved.source {
+    let (identity, manifest_size) = match &resolved.source {
         Source::Snapshot(id) => {
-            cp.host
+            let manifest = cp
+                .host
                 .engine()
                 .snapshot_manifest(id)
                 .map_err(|_| unknown())?;
-            format!("snapshot:{id}")
+            (
+                format!("snapshot:{id}"),
+                (manifest.vcpus, manifest.memory_mib),
+            )
         }
         Source::Template(name) => {
             let manifest = cp.host.engine().template(name).map_err(|_| unknown())?;
-            format!("template:{name}:{}:{}", manifest.id, manifest.input_hash)
+            (
+                format!("template:{name}:{}:{}", manifest.id, manifest.input_hash),
+                (manifest.vcpus, manifest.memory_mib),
+            )
         }
     };
-    Ok(ResolvedBase { template, identity })
+    Ok(ResolvedBase {
+        template,
+        identity,
+        vcpus: manifest_size.0,
+        memory_mib: u64::from(manifest_size.1),
+    })
+}
+
+/// A template's VM is its base's size (a snapshot fixes it): a size asked
+/// for is refused unless it is that one, rather than silently not given.
+fn check_sizes(cpu: Option<u32>, memory_mb: Option<u32>, base: &ResolvedBase) -> ApiResult<()> {
+    let differs = cpu.is_some_and(|c| c != base.vcpus)
+        || memory_mb.is_some_and(|m| u64::from(m) != base.memory_mib);
+    if differs {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "a template runs at its base's size: {} has {} vCPUs and {} MiB (leave cpu and \
+                 memory_mb out, or give those); templates of their own size are not supported yet",
+                base.template, base.vcpus, base.memory_mib
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A build the submission checked, ready to run.
@@ -610,6 +650,7 @@ pub async fn submit(
         }
     }
     let base = resolve_base(&cp, &account, &parsed, &text).await?;
+    check_sizes(submission.cpu, submission.memory_mb, &base)?;
     let unfinished = cp
         .store
         .list_builds(account.id)
@@ -791,11 +832,23 @@ async fn name_template(
     Ok(())
 }
 
-/// Deletes a snapshot a build made once no template names it.
-async fn collect_snapshot(cp: &ControlPlane, account: &Account, snapshot: &str) {
+/// Deletes a snapshot a build made once no template names it (the engine
+/// keeps its files while sandboxes restored from it run). Only on the host
+/// that holds it: elsewhere it stays listed, for a delete there.
+pub(crate) async fn collect_snapshot(cp: &ControlPlane, account: &Account, snapshot: &str) {
     let named = cp.store.templates_of_snapshot(snapshot).await;
     let built = cp.store.snapshot_made_by_build(account.id, snapshot).await;
     if !matches!((named, built), (Ok(names), Ok(true)) if names.is_empty()) {
+        return;
+    }
+    let here = cp
+        .store
+        .get_snapshot(account.id, snapshot)
+        .await
+        .ok()
+        .flatten()
+        .is_some_and(|row| row.host.as_deref().is_none_or(|h| h == cp.config.host_name));
+    if !here {
         return;
     }
     if let Err(e) = cp.host.delete_snapshot(snapshot).await {

@@ -339,13 +339,21 @@ pub async fn delete(
             format!("{name} is a first-party template and cannot be deleted"),
         ));
     }
-    // Its snapshot stays (the account's, in its list): sandboxes made from
-    // the template go on running from it.
-    if cp.store.delete_template(account.id, &name).await? {
-        Ok(StatusCode::NO_CONTENT)
-    } else {
-        Err(not_found(&name))
+    let snapshot = cp
+        .store
+        .get_template(account.id, &name)
+        .await?
+        .map(|t| t.snapshot_id);
+    // Its snapshot stays (the account's, in its list) unless a build made
+    // it for this template alone; either way sandboxes made from the
+    // template go on running (the engine keeps the files they use).
+    if !cp.store.delete_template(account.id, &name).await? {
+        return Err(not_found(&name));
     }
+    if let Some(snapshot) = snapshot {
+        crate::builds::collect_snapshot(&cp, &account, &snapshot).await;
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// What a sandbox created with template `name` is made from (an account
