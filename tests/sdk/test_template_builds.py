@@ -270,3 +270,52 @@ def test_the_cli_builds_lists_and_removes_a_template(shoal, make_account, tmp_pa
     # The build made its snapshot for the template alone: it went with it.
     live, snapshots = _leftovers(shoal, owner.token)
     assert live == [] and snapshots == [], (live, snapshots)
+
+
+def test_an_operator_publishes_a_template_to_every_account(shoal, make_account):
+    """`shoal template publish`: another account lists the template, creates
+    sandboxes from it by name and cannot delete it; taken back, it is 404
+    to them again."""
+    from conftest import shoal_bin
+
+    owner = make_account("team", "builds-publisher")
+    other = make_account("team", "builds-user")
+    owner_client = shoal.client(owner.token)
+    other_client = shoal.client(other.token)
+    build = owner_client.templates.build_from_dockerfile(
+        "lab-stack", "FROM base\nRUN echo shared-toolchain > /opt/toolchain.txt\n"
+    )
+    assert owner_client.templates.wait_for_build(build.id, poll_interval=0.2, timeout_seconds=600).status == "done"
+    with pytest.raises(NotFoundError):
+        other_client.templates.get("lab-stack")
+
+    def publish(*extra):
+        done = subprocess.run(
+            [shoal_bin(), "template", "publish", "lab-stack", "--account", owner.name,
+             "--database-url", shoal.database_url, *extra],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return done.stdout
+
+    assert publish() == "lab-stack: published to every account\n"
+    seen = {t.name: t for t in other_client.templates.list()}
+    assert seen["lab-stack"].is_global, seen["lab-stack"]
+    assert other_client.templates.get("lab-stack").name == "lab-stack"
+    sandbox = other_client.sandboxes.create(template="lab-stack")
+    try:
+        assert sandbox.exec("cat /opt/toolchain.txt").stdout == "shared-toolchain\n"
+    finally:
+        sandbox.kill()
+    # Still the owner's: another account cannot delete it.
+    r = shoal.http(other.token).delete(f"{shoal.url}/v1/templates/lab-stack", timeout=30)
+    assert r.status_code == 404, r.text
+
+    assert publish("--undo") == "lab-stack: its account's alone\n"
+    with pytest.raises(NotFoundError):
+        other_client.templates.get("lab-stack")
+    with pytest.raises(PandastackError):
+        other_client.sandboxes.create(template="lab-stack")
+    owner_client.templates.delete("lab-stack")
+    live, snapshots = _leftovers(shoal, owner.token)
+    assert live == [] and snapshots == [], (live, snapshots)

@@ -183,6 +183,9 @@ enum TemplateCommand {
         #[arg(long)]
         local: bool,
     },
+    /// Publish an account's template to every account (an operator's
+    /// command: it writes the database, as `token create` does).
+    Publish(up::PublishArgs),
     /// Delete templates of the account's (their snapshots stay until no
     /// sandbox or template needs them).
     Rm {
@@ -277,6 +280,12 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Template {
             command: TemplateCommand::Rm { names },
         } => templates::remove(&names).await,
+        Command::Template {
+            command: TemplateCommand::Publish(args),
+        } => {
+            up::publish(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Command::Template {
             command: TemplateCommand::List { local: false, .. },
         } => templates::list().await,

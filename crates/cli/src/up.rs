@@ -167,6 +167,61 @@ pub struct TokenArgs {
     state_dir: PathBuf,
 }
 
+#[derive(clap::Args)]
+pub struct PublishArgs {
+    /// The template (an account's own, built or named from a snapshot).
+    name: String,
+    /// The account whose template it is.
+    #[arg(long)]
+    account: String,
+    /// Take it back: only its account may use it again.
+    #[arg(long)]
+    undo: bool,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    /// Where the default SQLite database lives.
+    #[arg(long, env = "SHOAL_STATE_DIR", default_value = "/var/lib/shoal")]
+    state_dir: PathBuf,
+}
+
+/// An operator's `shoal template publish`: one account's template, usable by
+/// every account by name (its own of that name first).
+pub async fn publish(args: PublishArgs) -> Result<()> {
+    let store = Store::connect(&args.database.url(&args.state_dir)).await?;
+    let result = async {
+        let account = store
+            .account_by_name(&args.account)
+            .await?
+            .with_context(|| format!("no account {}", args.account))?;
+        let changed = store
+            .set_template_published(account.id, &args.name, !args.undo)
+            .await
+            .map_err(|e| match e {
+                shoal_store::StoreError::AlreadyExists { .. } => anyhow::anyhow!(
+                    "another account's template called {} is published already",
+                    args.name
+                ),
+                e => e.into(),
+            })?;
+        anyhow::ensure!(
+            changed,
+            "account {} has no template {}",
+            args.account,
+            args.name
+        );
+        let what = if args.undo {
+            "its account's alone"
+        } else {
+            "published to every account"
+        };
+        println!("{}: {what}", args.name);
+        Ok(())
+    }
+    .await;
+    close_store(store).await;
+    result
+}
+
 pub async fn token(args: TokenArgs) -> Result<()> {
     let tier: Tier = args
         .tier

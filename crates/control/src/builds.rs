@@ -819,6 +819,7 @@ async fn name_template(
             .map_or_else(|| job.base.template.clone(), |s| s.template),
         start_cmd: job.parsed.start.as_ref().map(|argv| shell_words(argv)),
         ready_cmd: job.parsed.ready.as_ref().map(|argv| shell_words(argv)),
+        published: false,
         created_at: now(),
     };
     let limit = cp.snapshot_limits(account.tier).count;

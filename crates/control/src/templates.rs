@@ -51,10 +51,30 @@ fn own_json(cp: &ControlPlane, account: &Account, row: &TemplateRow) -> Value {
         "cpu": manifest.as_ref().map(|m| m.vcpus),
         "memory_mb": manifest.as_ref().map(|m| m.memory_mib),
         "is_global": false,
+        "published": row.published,
         "workspace": account.name,
         "base": row.base,
         "meta": {
             "snapshot_id": row.snapshot_id,
+            "start_cmd": row.start_cmd,
+            "ready_cmd": row.ready_cmd,
+            "created_at": rfc3339(row.created_at),
+        },
+    })
+}
+
+/// Another account's template an operator published: usable by name, its
+/// snapshot and owner not shown.
+fn published_json(cp: &ControlPlane, row: &TemplateRow) -> Value {
+    let manifest = cp.host.engine().template(&row.base).ok();
+    json!({
+        "name": row.name,
+        "cpu": manifest.as_ref().map(|m| m.vcpus),
+        "memory_mb": manifest.as_ref().map(|m| m.memory_mib),
+        "is_global": true,
+        "published": true,
+        "base": row.base,
+        "meta": {
             "start_cmd": row.start_cmd,
             "ready_cmd": row.ready_cmd,
             "created_at": rfc3339(row.created_at),
@@ -67,8 +87,15 @@ pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Valu
         .iter()
         .filter_map(|spec| first_party_json(&cp, &spec.name))
         .collect();
-    for row in cp.store.list_templates(account.id).await? {
-        items.push(own_json(&cp, &account, &row));
+    let own = cp.store.list_templates(account.id).await?;
+    for row in cp.store.list_published_templates().await? {
+        // The account's own of that name is the one it gets.
+        if row.account_id != account.id && !own.iter().any(|o| o.name == row.name) {
+            items.push(published_json(&cp, &row));
+        }
+    }
+    for row in &own {
+        items.push(own_json(&cp, &account, row));
     }
     Ok(Json(json!({ "items": items })))
 }
@@ -81,12 +108,15 @@ pub async fn get(
     if let Some(global) = first_party_json(&cp, &name) {
         return Ok(Json(global));
     }
+    if let Some(row) = cp.store.get_template(account.id, &name).await? {
+        return Ok(Json(own_json(&cp, &account, &row)));
+    }
     let row = cp
         .store
-        .get_template(account.id, &name)
+        .get_published_template(&name)
         .await?
         .ok_or_else(|| not_found(&name))?;
-    Ok(Json(own_json(&cp, &account, &row)))
+    Ok(Json(published_json(&cp, &row)))
 }
 
 #[derive(Deserialize, Default)]
@@ -209,6 +239,7 @@ async fn create_detached(
         base: snapshot.template.clone(),
         start_cmd: body.start_cmd,
         ready_cmd: body.ready_cmd,
+        published: false,
         created_at: now(),
     };
     // As many templates as snapshots: each needs one, and this bounds the
@@ -379,6 +410,12 @@ impl ControlPlane {
                 return Ok(TemplateSource {
                     source: Source::Snapshot(own.snapshot_id),
                     base: own.base,
+                });
+            }
+            if let Some(published) = self.store.get_published_template(name).await? {
+                return Ok(TemplateSource {
+                    source: Source::Snapshot(published.snapshot_id),
+                    base: published.base,
                 });
             }
         }

@@ -403,20 +403,32 @@ impl Front {
                 None,
             )
         };
-        // An account's own template restores its snapshot: the same pin.
+        // An account's own template (or one published to all) restores its
+        // snapshot: the same pin. The snapshot is its owner's.
         let template_snapshot = match template_named(&body) {
-            Some(name) if shoal_image::find_template(&name).is_none() => self
-                .store
-                .get_template(account.id, &name)
-                .await
-                .map_err(database_error)?
-                .map(|t| t.snapshot_id),
+            Some(name) if shoal_image::find_template(&name).is_none() => {
+                let own = self
+                    .store
+                    .get_template(account.id, &name)
+                    .await
+                    .map_err(database_error)?;
+                let found = match own {
+                    Some(own) => Some(own),
+                    None => self
+                        .store
+                        .get_published_template(&name)
+                        .await
+                        .map_err(database_error)?,
+                };
+                found.map(|t| (t.account_id, t.snapshot_id))
+            }
             _ => None,
         };
-        if let Some(id) = snapshot_named(&body).or(template_snapshot) {
+        let named_snapshot = snapshot_named(&body).map(|id| (account.id, id));
+        if let Some((owner, id)) = named_snapshot.or(template_snapshot) {
             let snapshot = self
                 .store
-                .get_snapshot(account.id, &id)
+                .get_snapshot(owner, &id)
                 .await
                 .map_err(database_error)?
                 .ok_or_else(|| refuse(StatusCode::NOT_FOUND, "snapshot not found", None))?;

@@ -177,6 +177,7 @@ async fn an_accounts_templates_go_where_their_snapshot_is() {
             base: "base".into(),
             start_cmd: None,
             ready_cmd: None,
+            published: false,
             created_at: now(),
         };
         store.insert_template(&alice, &row, 10).await.unwrap();
@@ -244,6 +245,18 @@ async fn an_accounts_templates_go_where_their_snapshot_is() {
     )
     .await;
     assert_eq!(host.as_deref(), Some("h2"), "{body}");
+    // Published, Alice's template pins Bob's create to its snapshot's host.
+    assert!(store
+        .set_template_published(alice.id, "tools", true)
+        .await
+        .unwrap());
+    let (_, host, body) = host_of(
+        post("/v1/sandboxes", &bob, json!({"template": "tools"}))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(host.as_deref(), Some("h1"), "{body}");
     // Its snapshot's host gone: 503, as for the snapshot itself.
     let (status, _, body) = host_of(
         post("/v1/sandboxes", &token, json!({"template": "stranded"}))

@@ -94,6 +94,11 @@ const SQLITE: &[Embedded] = &[
         "template builds",
         include_str!("../migrations/sqlite/0014_template_builds.sql"),
     ),
+    (
+        15,
+        "template published",
+        include_str!("../migrations/sqlite/0015_template_published.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -166,6 +171,11 @@ const POSTGRES: &[Embedded] = &[
         14,
         "template builds",
         include_str!("../migrations/postgres/0014_template_builds.sql"),
+    ),
+    (
+        15,
+        "template published",
+        include_str!("../migrations/postgres/0015_template_published.sql"),
     ),
 ];
 

@@ -347,6 +347,8 @@ pub struct TemplateRow {
     /// of the template), and the command that said it was ready.
     pub start_cmd: Option<String>,
     pub ready_cmd: Option<String>,
+    /// Every account may create sandboxes from it (an operator's choice).
+    pub published: bool,
     pub created_at: f64,
 }
 

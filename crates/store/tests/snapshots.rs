@@ -233,6 +233,7 @@ async fn templates_name_an_accounts_snapshots(db: Arc<Db>) {
         base: "base".into(),
         start_cmd: Some("python3 -m http.server".into()),
         ready_cmd: None,
+        published: false,
         created_at: T0,
     };
     store.insert_template(&alice, &tools, 2).await.unwrap();
@@ -284,6 +285,37 @@ async fn templates_name_an_accounts_snapshots(db: Arc<Db>) {
         store.templates_of_snapshot("snap-1").await.unwrap(),
         ["tools"]
     );
+    // Published, Alice's is every account's by name; one per name.
+    assert_eq!(store.get_published_template("tools").await.unwrap(), None);
+    assert!(store
+        .set_template_published(alice.id, "tools", true)
+        .await
+        .unwrap());
+    assert!(!store
+        .set_template_published(alice.id, "nothing", true)
+        .await
+        .unwrap());
+    assert!(matches!(
+        store.set_template_published(bob.id, "tools", true).await,
+        Err(StoreError::AlreadyExists { .. })
+    ));
+    let published = TemplateRow {
+        published: true,
+        ..tools.clone()
+    };
+    assert_eq!(
+        store.get_published_template("tools").await.unwrap(),
+        Some(published.clone())
+    );
+    assert_eq!(
+        store.list_published_templates().await.unwrap(),
+        vec![published]
+    );
+    assert!(store
+        .set_template_published(alice.id, "tools", false)
+        .await
+        .unwrap());
+    assert!(store.list_published_templates().await.unwrap().is_empty());
     // The snapshot outlives no template that names it.
     assert!(store.delete_snapshot(alice.id, "snap-1").await.is_err());
     assert!(!store.delete_template(bob.id, "nothing").await.unwrap());

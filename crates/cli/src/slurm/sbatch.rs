@@ -125,7 +125,10 @@ impl Template {
             name: v["name"].as_str()?.to_owned(),
             cpus: v["cpu"].as_u64()? as u32,
             memory_mib: v["memory_mb"].as_u64()?,
-            global: v["is_global"].as_bool().unwrap_or(true),
+            // Published templates are another account's: named, never
+            // chosen by fit.
+            global: v["is_global"].as_bool().unwrap_or(true)
+                && !v["published"].as_bool().unwrap_or(false),
         })
     }
 
