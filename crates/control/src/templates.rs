@@ -43,28 +43,20 @@ fn first_party_json(cp: &ControlPlane, name: &str) -> Option<Value> {
     }))
 }
 
-/// An account's template as the API shows it: its size is its base's.
+/// An account's template as the API shows it to its own account: what
+/// every account sees of a published one, plus its owner and snapshot.
 fn own_json(cp: &ControlPlane, account: &Account, row: &TemplateRow) -> Value {
-    let manifest = cp.host.engine().template(&row.base).ok();
-    json!({
-        "name": row.name,
-        "cpu": manifest.as_ref().map(|m| m.vcpus),
-        "memory_mb": manifest.as_ref().map(|m| m.memory_mib),
-        "is_global": false,
-        "published": row.published,
-        "workspace": account.name,
-        "base": row.base,
-        "meta": {
-            "snapshot_id": row.snapshot_id,
-            "start_cmd": row.start_cmd,
-            "ready_cmd": row.ready_cmd,
-            "created_at": rfc3339(row.created_at),
-        },
-    })
+    let mut value = published_json(cp, row);
+    value["is_global"] = json!(false);
+    value["published"] = json!(row.published);
+    value["workspace"] = json!(account.name);
+    value["meta"]["snapshot_id"] = json!(row.snapshot_id);
+    value
 }
 
-/// Another account's template an operator published: usable by name, its
-/// snapshot and owner not shown.
+/// A template as another account sees it once an operator published it
+/// (its size is its base's): usable by name, its snapshot and owner not
+/// shown.
 fn published_json(cp: &ControlPlane, row: &TemplateRow) -> Value {
     let manifest = cp.host.engine().template(&row.base).ok();
     json!({
