@@ -16,7 +16,7 @@ mod up;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use shoal_engine::{Accel, Engine, EngineConfig};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 #[command(name = "shoal", version, about = "An on-demand microVM fleet")]
@@ -476,16 +476,25 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
     }
 }
 
-/// The guest agent binary: given, or `shoal-guest-agent` beside this binary.
+/// The guest agent binary: given, else the static (musl) build of this
+/// workspace (`scripts/build-agent`), else `shoal-guest-agent` beside this
+/// binary. Only a static agent runs on imported root filesystems.
 fn guest_agent_path(given: Option<PathBuf>) -> Result<PathBuf> {
     if let Some(path) = given {
         return Ok(path);
     }
     let exe = std::env::current_exe().context("locating the shoal binary")?;
     let beside = exe.with_file_name("shoal-guest-agent");
+    let static_build = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|target| target.join("x86_64-unknown-linux-musl/release/shoal-guest-agent"));
+    if let Some(found) = static_build.filter(|p| p.is_file()) {
+        return Ok(found);
+    }
     anyhow::ensure!(
         beside.exists(),
-        "no guest agent at {}; build it with `cargo build --release` or pass --guest-agent",
+        "no guest agent at {}; build it with scripts/build-agent or pass --guest-agent",
         beside.display()
     );
     Ok(beside)

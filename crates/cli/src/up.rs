@@ -340,16 +340,17 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
 pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
     let mut engine = args.engine.config();
     engine.state_dir = args.engine.state_dir.clone();
+    let agent = super::guest_agent_path(args.guest_agent.clone())?;
     let host = HostAgent::open(HostConfig {
         engine,
         max_sandboxes: args.max_sandboxes,
         memory_reserve_mib: args.memory_reserve_mib,
         disk_reserve_mib: args.disk_reserve_mib,
         memory_overcommit: args.memory_overcommit,
+        guest_agent: Some(agent.clone()),
     })
     .await
     .context("opening the host agent")?;
-    let agent = super::guest_agent_path(args.guest_agent.clone())?;
     let progress = indicatif::MultiProgress::new();
     for spec in shoal_image::first_party_templates() {
         let manifest = host

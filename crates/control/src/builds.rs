@@ -121,7 +121,7 @@ struct LogState {
 }
 
 impl LiveLog {
-    fn line(&self, text: &str) {
+    pub(crate) fn line(&self, text: &str) {
         let mut text: String = text.trim_end_matches(['\r', '\n']).replace('\r', "");
         if text.len() > MAX_LINE_BYTES {
             let mut cut = MAX_LINE_BYTES;
@@ -240,8 +240,13 @@ struct Submission {
     /// it, never ignored).
     cpu: Option<u32>,
     memory_mb: Option<u32>,
+    /// The disk of an imported template (a Dockerfile's template keeps its
+    /// base's disk, whose overlay grows as it is written).
+    size_mb: Option<u32>,
     context: Context,
-    other_source: Option<&'static str>,
+    /// A root filesystem tarball (`rootfs`), streamed to disk.
+    rootfs: Option<crate::imports::Upload>,
+    image_ref: Option<String>,
 }
 
 fn multipart_error(e: axum::extract::multipart::MultipartError) -> ApiError {
@@ -302,7 +307,7 @@ impl Submission {
         match field {
             "name" => self.name = Some(text),
             "dockerfile" => self.dockerfile = Some(text),
-            "image_ref" => self.other_source = Some("image_ref"),
+            "image_ref" => self.image_ref = Some(text),
             "kernel" => {}
             _ => {
                 let number = text.trim().parse::<u32>().map_err(|_| {
@@ -311,9 +316,7 @@ impl Submission {
                 match field {
                     "cpu" => self.cpu = Some(number),
                     "memory_mb" => self.memory_mb = Some(number),
-                    // size_mb: the disk is the base's overlay, which grows
-                    // as the template writes (within the host's disk checks).
-                    _ => {}
+                    _ => self.size_mb = Some(number),
                 }
             }
         }
@@ -324,7 +327,7 @@ impl Submission {
 /// The submission, from a multipart form (with context files, as the SDK
 /// sends one with a context) or a urlencoded one (without, as the SDK
 /// sends one without).
-async fn read_form(request: axum::extract::Request) -> ApiResult<Submission> {
+async fn read_form(request: axum::extract::Request, uploads: &Uploads) -> ApiResult<Submission> {
     use axum::extract::FromRequest;
     let content_type = request
         .headers()
@@ -336,7 +339,7 @@ async fn read_form(request: axum::extract::Request) -> ApiResult<Submission> {
         let multipart = Multipart::from_request(request, &())
             .await
             .map_err(|e| ApiError::bad_request(e.body_text()))?;
-        return read_submission(multipart).await;
+        return read_submission(multipart, uploads).await;
     }
     if !content_type.starts_with("application/x-www-form-urlencoded") {
         return Err(ApiError::new(
@@ -362,7 +365,13 @@ async fn read_form(request: axum::extract::Request) -> ApiResult<Submission> {
     Ok(submission)
 }
 
-async fn read_submission(mut multipart: Multipart) -> ApiResult<Submission> {
+/// Where a root filesystem upload goes, and its most bytes.
+struct Uploads {
+    dir: std::path::PathBuf,
+    limit: u64,
+}
+
+async fn read_submission(mut multipart: Multipart, uploads: &Uploads) -> ApiResult<Submission> {
     let mut submission = Submission::default();
     while let Some(mut field) = multipart.next_field().await.map_err(multipart_error)? {
         let name = field.name().unwrap_or_default().to_owned();
@@ -385,9 +394,11 @@ async fn read_submission(mut multipart: Multipart) -> ApiResult<Submission> {
             continue;
         }
         if name == "rootfs" && is_file {
-            submission.other_source = Some("rootfs");
-            // Drain it without keeping it.
-            while field.chunk().await.map_err(multipart_error)?.is_some() {}
+            if submission.rootfs.is_some() {
+                return Err(ApiError::bad_request("send one rootfs"));
+            }
+            submission.rootfs =
+                Some(crate::imports::receive(&mut field, &uploads.dir, uploads.limit).await?);
             continue;
         }
         if !valid_context_path(&name) {
@@ -607,12 +618,54 @@ fn check_sizes(cpu: Option<u32>, memory_mb: Option<u32>, base: &ResolvedBase) ->
 }
 
 /// A build the submission checked, ready to run.
-struct Job {
-    row: TemplateBuildRow,
+pub(crate) struct Job {
+    pub(crate) row: TemplateBuildRow,
+    pub(crate) recipe: Recipe,
+}
+
+/// What a build makes its template from.
+pub(crate) enum Recipe {
+    Dockerfile(DockerfileRecipe),
+    Import(crate::imports::ImportRecipe),
+}
+
+pub(crate) struct DockerfileRecipe {
     text: String,
     parsed: Dockerfile,
     context: Context,
     base: ResolvedBase,
+}
+
+/// What a template row says besides its snapshot.
+pub(crate) struct Naming {
+    pub(crate) base: String,
+    pub(crate) start_cmd: Option<String>,
+    pub(crate) ready_cmd: Option<String>,
+}
+
+impl Job {
+    fn naming(&self) -> Naming {
+        match &self.recipe {
+            Recipe::Dockerfile(recipe) => Naming {
+                base: recipe.base.template.clone(),
+                start_cmd: recipe.parsed.start.as_ref().map(|argv| shell_words(argv)),
+                ready_cmd: recipe.parsed.ready.as_ref().map(|argv| shell_words(argv)),
+            },
+            Recipe::Import(_) => Naming {
+                base: "base".into(),
+                start_cmd: None,
+                ready_cmd: None,
+            },
+        }
+    }
+
+    /// Bytes of the submission this host holds in memory until the build ends.
+    fn held_bytes(&self) -> u64 {
+        match &self.recipe {
+            Recipe::Dockerfile(recipe) => recipe.context.bytes,
+            Recipe::Import(_) => 0,
+        }
+    }
 }
 
 pub async fn submit(
@@ -620,9 +673,14 @@ pub async fn submit(
     Caller(account): Caller,
     request: axum::extract::Request,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let submission = read_form(request).await?;
+    let uploads = Uploads {
+        dir: crate::imports::uploads_dir(&cp),
+        limit: u64::from(cp.snapshot_limits(account.tier).template_disk_mib) << 20,
+    };
+    let mut submission = read_form(request, &uploads).await?;
     let name = submission
         .name
+        .take()
         .ok_or_else(|| ApiError::bad_request("name is required"))?;
     if !shoal_image::valid_template_name(&name) {
         return Err(ApiError::bad_request(format!(
@@ -634,23 +692,68 @@ pub async fn submit(
             "{name} is a first-party template's name"
         )));
     }
-    if let Some(source) = submission.other_source {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            format!("builds from {source} are not supported yet: send a Dockerfile"),
-        ));
-    }
-    let text = submission
-        .dockerfile
-        .ok_or_else(|| ApiError::bad_request("dockerfile is required"))?;
+    let (recipe, cache_key) = match submission.dockerfile.take() {
+        Some(_) if submission.rootfs.is_some() || submission.image_ref.is_some() => {
+            return Err(ApiError::bad_request(
+                "send one of dockerfile, rootfs and image_ref",
+            ))
+        }
+        Some(text) => dockerfile_recipe(&cp, &account, text, submission).await?,
+        None => {
+            let (recipe, key) = crate::imports::recipe(
+                &cp,
+                &account,
+                crate::imports::ImportRequest {
+                    rootfs: submission.rootfs,
+                    image_ref: submission.image_ref,
+                    size_mb: submission.size_mb,
+                    cpu: submission.cpu,
+                    memory_mb: submission.memory_mb,
+                },
+            )?;
+            (Recipe::Import(recipe), key)
+        }
+    };
+    start(cp, account, name, recipe, cache_key).await
+}
+
+/// Checks a Dockerfile submission (everything that can be checked before a
+/// VM exists) and returns its recipe and cache key.
+async fn dockerfile_recipe(
+    cp: &ControlPlane,
+    account: &Account,
+    text: String,
+    submission: Submission,
+) -> ApiResult<(Recipe, String)> {
     let parsed = dockerfile::parse(&text).map_err(|e| ApiError::bad_request(e.to_string()))?;
     for step in &parsed.steps {
         if let Action::Copy { sources, dest, .. } = &step.action {
             placements(step.line, sources, dest, &submission.context)?;
         }
     }
-    let base = resolve_base(&cp, &account, &parsed, &text).await?;
+    let base = resolve_base(cp, account, &parsed, &text).await?;
     check_sizes(submission.cpu, submission.memory_mb, &base)?;
+    let key = cache_key(&base.identity, &text, &submission.context);
+    Ok((
+        Recipe::Dockerfile(DockerfileRecipe {
+            text,
+            parsed,
+            context: submission.context,
+            base,
+        }),
+        key,
+    ))
+}
+
+/// Records a checked build as queued and starts it (it waits for one of
+/// this host's build slots).
+async fn start(
+    cp: Arc<ControlPlane>,
+    account: Account,
+    name: String,
+    recipe: Recipe,
+    cache_key: String,
+) -> ApiResult<(StatusCode, Json<Value>)> {
     let unfinished = cp
         .store
         .list_builds(account.id)
@@ -664,7 +767,10 @@ pub async fn submit(
             format!("{MAX_UNFINISHED_PER_ACCOUNT} builds are already queued or running"),
         ));
     }
-    let held = submission.context.bytes;
+    let held = match &recipe {
+        Recipe::Dockerfile(recipe) => recipe.context.bytes,
+        Recipe::Import(_) => 0,
+    };
     if cp.builds.held_bytes.fetch_add(held, Ordering::SeqCst) + held > MAX_HELD_CONTEXT_BYTES {
         cp.builds.held_bytes.fetch_sub(held, Ordering::SeqCst);
         let mut e = ApiError::new(
@@ -680,7 +786,7 @@ pub async fn submit(
         name,
         status: build_status::QUEUED.into(),
         error: None,
-        cache_key: Some(cache_key(&base.identity, &text, &submission.context)),
+        cache_key: Some(cache_key),
         snapshot_id: None,
         // This process holds the live log and runs it (a fleet's front
         // sends the build's reads here).
@@ -697,19 +803,13 @@ pub async fn submit(
     let log = Arc::new(LiveLog::default());
     lock(&cp.builds.live).insert(row.id.clone(), log.clone());
     let answer = build_json(&row);
-    let job = Job {
-        row,
-        text,
-        parsed,
-        context: submission.context,
-        base,
-    };
+    let job = Job { row, recipe };
     tokio::spawn(run(cp, account, job, log));
     Ok((StatusCode::ACCEPTED, Json(answer)))
 }
 
 /// Why a build failed, for its `error`.
-struct Failure(String);
+pub(crate) struct Failure(pub(crate) String);
 
 impl From<ApiError> for Failure {
     fn from(e: ApiError) -> Self {
@@ -717,8 +817,8 @@ impl From<ApiError> for Failure {
     }
 }
 
-async fn run(cp: Arc<ControlPlane>, account: Account, mut job: Job, log: Arc<LiveLog>) {
-    let held = job.context.bytes;
+pub(crate) async fn run(cp: Arc<ControlPlane>, account: Account, mut job: Job, log: Arc<LiveLog>) {
+    let held = job.held_bytes();
     let permit = cp.builds.slots.acquire().await;
     job.row.status = build_status::BUILDING.into();
     job.row.started_at = Some(now());
@@ -730,7 +830,12 @@ async fn run(cp: Arc<ControlPlane>, account: Account, mut job: Job, log: Arc<Liv
             job.row.cache_hit = true;
             Ok(snapshot)
         }
-        Ok(None) => build(&cp, &account, &job, &log).await,
+        Ok(None) => match &job.recipe {
+            Recipe::Dockerfile(recipe) => build(&cp, &account, &job, recipe, &log).await,
+            Recipe::Import(recipe) => {
+                crate::imports::build(&cp, &account, &job, recipe, &log).await
+            }
+        },
         Err(e) => Err(e),
     };
     drop(permit);
@@ -786,13 +891,14 @@ async fn cached(
 /// Names `snapshot` as the build's template, replacing an earlier template
 /// of that name; the earlier one's snapshot is collected if a build made it
 /// and nothing else names it.
-async fn name_template(
+pub(crate) async fn name_template(
     cp: &Arc<ControlPlane>,
     account: &Account,
     job: &Job,
     snapshot: &str,
 ) -> Result<(), Failure> {
     let name = &job.row.name;
+    let naming = job.naming();
     let previous = cp
         .store
         .get_template(account.id, name)
@@ -816,9 +922,9 @@ async fn name_template(
             .get_snapshot(account.id, snapshot)
             .await
             .map_err(ApiError::from)?
-            .map_or_else(|| job.base.template.clone(), |s| s.template),
-        start_cmd: job.parsed.start.as_ref().map(|argv| shell_words(argv)),
-        ready_cmd: job.parsed.ready.as_ref().map(|argv| shell_words(argv)),
+            .map_or_else(|| naming.base.clone(), |s| s.template),
+        start_cmd: naming.start_cmd.clone(),
+        ready_cmd: naming.ready_cmd.clone(),
         published: false,
         created_at: now(),
     };
@@ -889,14 +995,18 @@ async fn build(
     cp: &Arc<ControlPlane>,
     account: &Account,
     job: &Job,
+    recipe: &DockerfileRecipe,
     log: &LiveLog,
 ) -> Result<String, Failure> {
-    log.line(&format!("FROM {}: starting the builder", job.base.template));
-    let body = CreateBody::builder(&job.base.template, &job.row.id, BUILD_LIFETIME_SECONDS);
+    log.line(&format!(
+        "FROM {}: starting the builder",
+        recipe.base.template
+    ));
+    let body = CreateBody::builder(&recipe.base.template, &job.row.id, BUILD_LIFETIME_SECONDS);
     let sandbox = create_sandbox(cp, account, body)
         .await
         .map_err(|e| Failure(format!("starting the builder VM: {}", e.message)))?;
-    let result = build_in(cp, account, job, log, &sandbox.id).await;
+    let result = build_in(cp, account, recipe, log, &sandbox.id).await;
     if let Err(e) = cp.destroy(&sandbox.id).await {
         tracing::warn!(sandbox = sandbox.id, error = %e.message, "removing a build's builder VM");
     }
@@ -932,7 +1042,7 @@ impl Settings {
 async fn build_in(
     cp: &Arc<ControlPlane>,
     account: &Account,
-    job: &Job,
+    job: &DockerfileRecipe,
     log: &LiveLog,
     sandbox: &str,
 ) -> Result<shoal_store::SnapshotRow, Failure> {
@@ -1284,6 +1394,13 @@ pub(crate) async fn fail_abandoned(cp: &ControlPlane) {
         Ok(0) => {}
         Ok(n) => tracing::warn!(builds = n, "failed the builds a restart interrupted"),
         Err(e) => tracing::error!(error = %e, "failing interrupted builds"),
+    }
+    // Their uploads and half-made import disks have no build left to use them.
+    for dir in [
+        crate::imports::uploads_dir(cp),
+        cp.host.engine().state_dir().join("imports"),
+    ] {
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 

@@ -110,6 +110,7 @@ impl From<HostError> for ApiError {
                 Self::internal(format!("volume image: {message}"))
             }
             HostError::Invalid(message) => Self::conflict(message),
+            HostError::Import(message) => Self::new(StatusCode::UNPROCESSABLE_ENTITY, message),
         }
     }
 }

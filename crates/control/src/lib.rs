@@ -18,6 +18,7 @@ mod error;
 mod exec;
 mod extract;
 mod files;
+mod imports;
 mod lifecycle;
 mod meta;
 mod proxy;

@@ -747,22 +747,36 @@ impl ControlPlane {
         self.store.check_snapshot_quota(account, &limits).await?;
         let row = self.running(account, id).await?;
         let snapshot = self.host.snapshot(id).await?;
-        let manifest = self.host.engine().snapshot_manifest(&snapshot).ok();
+        self.record_capture(account, &snapshot, Some(id), &row.template)
+            .await
+    }
+
+    /// Records snapshot `snapshot`, just made on this host (from sandbox
+    /// `sandbox`, or booted from a disk), as `account`'s; when the record
+    /// cannot be written (a concurrent snapshot took the last place, or the
+    /// database failed) its files are removed, so nothing is left unrecorded.
+    pub(crate) async fn record_capture(
+        &self,
+        account: &Account,
+        snapshot: &str,
+        sandbox: Option<&str>,
+        fallback_template: &str,
+    ) -> ApiResult<SnapshotRow> {
+        let limits = self.snapshot_limits(account.tier);
+        let manifest = self.host.engine().snapshot_manifest(snapshot).ok();
         let record = SnapshotRow {
-            id: snapshot.clone(),
+            id: snapshot.to_owned(),
             account_id: account.id,
-            sandbox_id: Some(id.to_owned()),
+            sandbox_id: sandbox.map(str::to_owned),
             template: manifest
                 .as_ref()
-                .map_or(row.template.clone(), |m| m.template.clone()),
-            size_bytes: crate::snapshots::capture_bytes(self, &snapshot, manifest.as_ref()),
+                .map_or(fallback_template.to_owned(), |m| m.template.clone()),
+            size_bytes: crate::snapshots::capture_bytes(self, snapshot, manifest.as_ref()),
             host: Some(self.config.host_name.clone()),
             created_at: now(),
         };
         if let Err(e) = self.store.record_snapshot(account, &record, &limits).await {
-            // A concurrent snapshot took the last place, or the database
-            // failed: no record, so no files either.
-            if let Err(cleanup) = self.host.delete_snapshot(&snapshot).await {
+            if let Err(cleanup) = self.host.delete_snapshot(snapshot).await {
                 tracing::warn!(snapshot, error = %cleanup, "removing an unrecorded snapshot");
             }
             return Err(e.into());

@@ -22,6 +22,7 @@ async fn the_document_and_the_router_agree() {
         memory_reserve_mib: 0,
         memory_overcommit: shoal_host::DEFAULT_MEMORY_OVERCOMMIT,
         disk_reserve_mib: 0,
+        guest_agent: None,
     })
     .await
     .unwrap();

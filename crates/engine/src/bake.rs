@@ -147,7 +147,7 @@ impl Engine {
         Ok(artifacts)
     }
 
-    fn kernel_cmdline(&self) -> String {
+    pub(crate) fn kernel_cmdline(&self) -> String {
         let mut cmdline = shoal_image::kernel_cmdline().to_string();
         if self.accel == Accel::Tcg {
             // With several vCPUs under TCG the guest's own TSC calibration
@@ -283,20 +283,20 @@ impl Engine {
     }
 }
 
-struct ColdBoot {
+pub(crate) struct ColdBoot {
     /// Held until QEMU is gone.
-    _net: NetSlot,
-    _jail: crate::jail::VmJail,
-    child: tokio::process::Child,
-    pid: u32,
-    qmp: shoal_qmp::Qmp,
-    agent: AgentClient,
-    boot_ms: f64,
+    pub(crate) _net: NetSlot,
+    pub(crate) _jail: crate::jail::VmJail,
+    pub(crate) child: tokio::process::Child,
+    pub(crate) pid: u32,
+    pub(crate) qmp: shoal_qmp::Qmp,
+    pub(crate) agent: AgentClient,
+    pub(crate) boot_ms: f64,
 }
 
 /// Boots `launch` from its kernel and waits for the guest agent. On failure
 /// the QEMU process is killed.
-async fn cold_boot(
+pub(crate) async fn cold_boot(
     launch: &LaunchSpec,
     net: NetSlot,
     jail: &crate::jail::Jail,

@@ -38,6 +38,7 @@ mod bake;
 mod bake_gc;
 mod capture;
 pub mod cgroup;
+pub mod disk_boot;
 pub mod error;
 pub mod integrity;
 pub mod jail;
@@ -52,6 +53,7 @@ pub mod volume;
 
 pub use accel::Accel;
 pub use bake::BakeProgress;
+pub use disk_boot::{BootDisk, DiskBootSpec};
 pub use error::{EngineError, Result};
 pub use manifest::{Kind, Manifest};
 pub use priority::CpuPriority;

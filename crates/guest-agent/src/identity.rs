@@ -44,7 +44,7 @@ pub fn check_hostname(hostname: &str) -> Result<(), CallError> {
 
 fn set_clock(unix_time_ns: u64) -> Result<(), CallError> {
     let now = libc::timespec {
-        tv_sec: (unix_time_ns / 1_000_000_000) as libc::time_t,
+        tv_sec: (unix_time_ns / 1_000_000_000) as _, // time_t: 64-bit on x86_64 glibc and musl
         tv_nsec: (unix_time_ns % 1_000_000_000) as libc::c_long,
     };
     // SAFETY: reads a timespec from a valid local.

@@ -9,6 +9,7 @@
 //! decides *whether* a sandbox may exist; the host decides whether it fits.
 
 mod capacity;
+pub mod imports;
 mod repl;
 mod volumes;
 
@@ -24,6 +25,7 @@ pub use shoal_engine::{
 };
 pub use shoal_repl::{CellOutput, ReplError};
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// How to run a host.
@@ -43,6 +45,9 @@ pub struct HostConfig {
     /// VMs' memory limits may add up to this times the host's memory less
     /// the reserve (503 beyond); 0: no such limit.
     pub memory_overcommit: f64,
+    /// The static guest agent installed into imported root filesystems
+    /// (`imports.rs`); `None`: imports are refused.
+    pub guest_agent: Option<PathBuf>,
 }
 
 /// The default of [`HostConfig::disk_reserve_mib`]: room for a few
@@ -90,6 +95,10 @@ pub enum HostError {
     NoSuchSession,
     #[error("{0}")]
     Invalid(String),
+    /// An imported root filesystem or image is not usable: the caller's
+    /// input, not the host's fault.
+    #[error("{0}")]
+    Import(String),
 }
 
 pub type Result<T, E = HostError> = std::result::Result<T, E>;
@@ -105,6 +114,7 @@ pub struct HostAgent {
     engine: Engine,
     capacity: Capacity,
     sessions: repl::Sessions,
+    guest_agent: Option<PathBuf>,
 }
 
 impl HostAgent {
@@ -116,6 +126,7 @@ impl HostAgent {
                 .with_overcommit(config.memory_overcommit)
                 .with_disk_reserve(&config.engine.state_dir, config.disk_reserve_mib),
             sessions: repl::Sessions::default(),
+            guest_agent: config.guest_agent.clone(),
         }))
     }
 

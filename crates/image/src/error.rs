@@ -51,6 +51,11 @@ pub enum ImageError {
     #[error("invalid template: {0}")]
     InvalidTemplate(String),
 
+    /// An imported root filesystem or image archive is not usable (the
+    /// tenant's input, not the host's fault).
+    #[error("{0}")]
+    Import(String),
+
     /// Something on the host is not as the builder needs it (not root, a
     /// required tool missing after trying to install it...).
     #[error("host: {0}")]

@@ -63,6 +63,7 @@ mod cmd;
 pub mod dockerfile;
 mod error;
 mod host;
+pub mod import;
 mod initramfs;
 mod kernel;
 mod modules;

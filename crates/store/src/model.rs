@@ -117,19 +117,25 @@ pub struct SnapshotLimits {
     /// Bytes of all its snapshots together (their `size_bytes`: what the
     /// host's disk holds for them).
     pub total_bytes: u64,
+    /// The largest disk (`size_mb`) a template imported from a root
+    /// filesystem or an image may have, and so the largest upload.
+    pub template_disk_mib: u32,
 }
 
 impl SnapshotLimits {
-    /// Free 5 snapshots, 10 GiB in all; Pro 50, 100 GiB; Team 500, 1 TiB.
+    /// Free 5 snapshots, 10 GiB in all, template disks up to 4 GiB; Pro
+    /// 50, 100 GiB, 16 GiB; Team 500, 1 TiB, 64 GiB. Templates count as
+    /// snapshots (each names one).
     pub fn default_for(tier: Tier) -> SnapshotLimits {
-        let (count, total_gib) = match tier {
-            Tier::Free => (5, 10),
-            Tier::Pro => (50, 100),
-            Tier::Team => (500, 1024),
+        let (count, total_gib, disk_gib) = match tier {
+            Tier::Free => (5, 10, 4),
+            Tier::Pro => (50, 100, 16),
+            Tier::Team => (500, 1024, 64),
         };
         SnapshotLimits {
             count,
             total_bytes: total_gib << 30,
+            template_disk_mib: disk_gib << 10,
         }
     }
 }

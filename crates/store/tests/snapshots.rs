@@ -52,6 +52,7 @@ async fn count_quota_refuses_the_next_snapshot(db: Arc<Db>) {
     let limits = SnapshotLimits {
         count: 2,
         total_bytes: 1 << 40,
+        template_disk_mib: 4096,
     };
     for id in ["s1", "s2"] {
         store.check_snapshot_quota(&acct, &limits).await.unwrap();
@@ -90,6 +91,7 @@ async fn byte_quota_counts_the_new_snapshot(db: Arc<Db>) {
     let limits = SnapshotLimits {
         count: 100,
         total_bytes: 100 << 20,
+        template_disk_mib: 4096,
     };
     store
         .record_snapshot(&acct, &snapshot(&acct, "s1", 60 * MIB), &limits)
@@ -130,6 +132,7 @@ async fn concurrent_snapshots_never_pass_the_quota(db: Arc<Db>) {
     let limits = SnapshotLimits {
         count: 3,
         total_bytes: 1 << 40,
+        template_disk_mib: 4096,
     };
     let stores = [db.reopen().await, db.reopen().await];
     let attempts = (0..10).map(|i| {

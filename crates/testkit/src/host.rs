@@ -16,6 +16,7 @@ pub async fn host_agent(test: &str) -> Arc<HostAgent> {
         memory_reserve_mib: 0,
         memory_overcommit: shoal_host::DEFAULT_MEMORY_OVERCOMMIT,
         disk_reserve_mib: 0,
+        guest_agent: Some(crate::guest_agent().to_owned()),
     })
     .await
     .expect("opening the host agent");

@@ -61,7 +61,8 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// The guest agent the tests bake into templates: `SHOAL_GUEST_AGENT` when
-/// set, else the release build, built once per test binary.
+/// set, else the static release build (`scripts/build-agent`), built once
+/// per test binary.
 ///
 /// `scripts/test` sets `SHOAL_GUEST_AGENT` to the agent it baked before the
 /// suites ran. Building here instead would give another binary:
@@ -81,16 +82,13 @@ pub fn guest_agent() -> &'static Path {
             return given;
         }
         let root = workspace_root();
-        let status = std::process::Command::new(env!("CARGO"))
-            .args(["build", "--release", "--quiet", "-p", "shoal-guest-agent"])
+        let output = std::process::Command::new(root.join("scripts/build-agent"))
             .current_dir(&root)
-            .status()
-            .expect("running cargo build for the guest agent");
-        assert!(status.success(), "building the guest agent failed");
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target"));
-        target.join("release").join("shoal-guest-agent")
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .expect("running scripts/build-agent");
+        assert!(output.status.success(), "building the guest agent failed");
+        PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
     })
 }
 
