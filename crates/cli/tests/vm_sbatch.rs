@@ -297,22 +297,9 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
     );
     assert!(max_running <= 3, "more than 3 tasks ran at once");
 
-    let templates: Value = reqwest::Client::new()
-        .get(format!("{}/v1/templates", user.api))
-        .bearer_auth(&user.token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let vcpus = templates["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["name"] == "code-interpreter")
-        .and_then(|t| t["cpu"].as_u64())
-        .expect("code-interpreter is listed");
+    // `--cpus-per-task=1`: each task's VM has one vCPU (the template has
+    // more), and CPUTime counts that one.
+    let vcpus = 1;
 
     // sacct: every task COMPLETED, exit 0:0, elapsed ≥ the 4 s sleep, a cost.
     let rows = user.wait_states(job, 6, &["COMPLETED"], Duration::from_secs(60));
@@ -383,6 +370,62 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
         Duration::from_secs(60),
     );
     assert_eq!(log, format!("array=none job={fail}\nbad input\n"));
+
+    // A sandbox promoted to a template is a partition; `--cpus-per-task`
+    // and `--mem` give the task a VM of that size, not the template's.
+    let api = shoal_testkit::ApiClient::new(&user.api, &user.token);
+    let sandbox = api
+        .ok(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(serde_json::json!({"template": "base"})),
+        )
+        .await;
+    let id = sandbox["id"].as_str().unwrap().to_owned();
+    api.ok(
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(serde_json::json!({"cmd": "mkdir -p /opt/tools && echo promoted-tools > /opt/tools/marker"})),
+    )
+    .await;
+    api.ok(
+        reqwest::Method::POST,
+        "/v1/templates",
+        Some(serde_json::json!({"name": "mytools", "from_sandbox": id})),
+    )
+    .await;
+    api.call(
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{id}"),
+        None,
+    )
+    .await;
+    user.write(
+        "sized.sh",
+        "#!/bin/bash\n#SBATCH --partition=mytools\n#SBATCH --cpus-per-task=2\n#SBATCH --mem=1G\n\
+         #SBATCH --output=sized.out\nnproc\nawk '/MemTotal/ {print $2}' /proc/meminfo\ncat /opt/tools/marker\n",
+    );
+    let (sized, _) = user.sbatch(&["sized.sh"]);
+    let rows = user.wait_states(sized, 1, &["COMPLETED"], Duration::from_secs(300));
+    let out = wait_for_file(&submit.join("sized.out"), Duration::from_secs(60));
+    let lines: Vec<&str> = out.lines().collect();
+    println!(
+        "a 2-CPU 1 GiB task on a promoted template: {lines:?}, {:?}",
+        rows[1]
+    );
+    assert_eq!(lines[0], "2", "nproc in the task: {out}");
+    let mem_kib: u64 = lines[1].parse().unwrap();
+    assert!(
+        (850_000..=1_048_576).contains(&mem_kib),
+        "MemTotal {mem_kib} kB is not about 1 GiB"
+    );
+    assert_eq!(lines[2], "promoted-tools");
+    assert_eq!(
+        seconds(&rows[1][5]),
+        seconds(&rows[1][4]) * 2,
+        "CPUTime counts 2 CPUs: {:?}",
+        rows[1]
+    );
 
     // scancel: one task of a running array, then the whole job.
     user.write("long.sh", LONG_SCRIPT);

@@ -31,7 +31,7 @@
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::Caller;
-use crate::sandboxes::{create_sandbox, CreateBody};
+use crate::sandboxes::{create_sandbox, CreateBody, VmSize};
 use crate::{now, rfc3339, ControlPlane};
 use axum::extract::{Multipart, Path, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -599,22 +599,33 @@ async fn resolve_base(
     })
 }
 
-/// A template's VM is its base's size (a snapshot fixes it): a size asked
-/// for is refused unless it is that one, rather than silently not given.
-fn check_sizes(cpu: Option<u32>, memory_mb: Option<u32>, base: &ResolvedBase) -> ApiResult<()> {
-    let differs = cpu.is_some_and(|c| c != base.vcpus)
-        || memory_mb.is_some_and(|m| u64::from(m) != base.memory_mib);
-    if differs {
+/// The size of the template's VM: its base's, or less where the
+/// submission asked for less (the builder then runs at that size, so the
+/// snapshot has it); more is a 422 naming the base's size.
+fn template_size(
+    cpu: Option<u32>,
+    memory_mb: Option<u32>,
+    base: &ResolvedBase,
+) -> ApiResult<VmSize> {
+    let size = VmSize {
+        vcpus: cpu.unwrap_or(base.vcpus),
+        memory_mib: memory_mb.unwrap_or(base.memory_mib as u32),
+    };
+    let min = shoal_host::imports::MIN_SIZED_MEMORY_MIB;
+    let fits = (1..=base.vcpus).contains(&size.vcpus)
+        && (u64::from(size.memory_mib) == base.memory_mib
+            || (min..=base.memory_mib as u32).contains(&size.memory_mib));
+    if !fits {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
-                "a template runs at its base's size: {} has {} vCPUs and {} MiB (leave cpu and \
-                 memory_mb out, or give those); templates of their own size are not supported yet",
-                base.template, base.vcpus, base.memory_mib
+                "a template is at most its base's size: {} has {} vCPUs and {} MiB (cpu from 1 to \
+                 {}, memory_mb from {min} to {})",
+                base.template, base.vcpus, base.memory_mib, base.vcpus, base.memory_mib
             ),
         ));
     }
-    Ok(())
+    Ok(size)
 }
 
 /// A build the submission checked, ready to run.
@@ -634,6 +645,8 @@ pub(crate) struct DockerfileRecipe {
     parsed: Dockerfile,
     context: Context,
     base: ResolvedBase,
+    /// The builder's size, and so the template's.
+    size: VmSize,
 }
 
 /// What a template row says besides its snapshot.
@@ -732,14 +745,16 @@ async fn dockerfile_recipe(
         }
     }
     let base = resolve_base(cp, account, &parsed, &text).await?;
-    check_sizes(submission.cpu, submission.memory_mb, &base)?;
-    let key = cache_key(&base.identity, &text, &submission.context);
+    let size = template_size(submission.cpu, submission.memory_mb, &base)?;
+    let identity = format!("{}:{}:{}", base.identity, size.vcpus, size.memory_mib);
+    let key = cache_key(&identity, &text, &submission.context);
     Ok((
         Recipe::Dockerfile(DockerfileRecipe {
             text,
             parsed,
             context: submission.context,
             base,
+            size,
         }),
         key,
     ))
@@ -1002,7 +1017,12 @@ async fn build(
         "FROM {}: starting the builder",
         recipe.base.template
     ));
-    let body = CreateBody::builder(&recipe.base.template, &job.row.id, BUILD_LIFETIME_SECONDS);
+    let body = CreateBody::builder(
+        &recipe.base.template,
+        recipe.size,
+        &job.row.id,
+        BUILD_LIFETIME_SECONDS,
+    );
     let sandbox = create_sandbox(cp, account, body)
         .await
         .map_err(|e| Failure(format!("starting the builder VM: {}", e.message)))?;

@@ -152,8 +152,11 @@ struct SweepInfo {
     integer_cells: bool,
     files: Vec<(String, Vec<u8>)>,
     /// What its sandboxes are made from: the template, or the snapshot of
-    /// an account's own template (`templates.rs`).
+    /// an account's own template (`templates.rs`), at the tasks' size.
     source: Source,
+    /// The account's snapshot its template names, for the rows (`source`
+    /// may be a sized copy of it, which is the host's, not the account's).
+    named_snapshot: Option<String>,
     vcpus: u32,
     memory_mib: u32,
 }
@@ -161,11 +164,26 @@ struct SweepInfo {
 impl SweepInfo {
     /// The snapshot its sandboxes restore, for their rows.
     fn restored_snapshot(&self) -> Option<String> {
-        match &self.source {
-            Source::Snapshot(snapshot) => Some(snapshot.clone()),
-            Source::Template(_) => None,
-        }
+        self.named_snapshot.clone()
     }
+}
+
+/// The VM a task gets: the template's size, or less where the job asked
+/// for less (`cpus_per_task`; `mem_mib`, or `mem_per_cpu_mib` times the
+/// CPUs), never more, and never under the smallest a guest runs in.
+fn task_size(slurm: Option<&Value>, restored: &shoal_host::Manifest) -> crate::sandboxes::VmSize {
+    let number = |key: &str| slurm.and_then(|s| s.get(key)).and_then(Value::as_u64);
+    let vcpus = number("cpus_per_task").map_or(restored.vcpus, |c| {
+        c.clamp(1, u64::from(restored.vcpus)) as u32
+    });
+    let floor = u64::from(shoal_host::imports::MIN_SIZED_MEMORY_MIB.min(restored.memory_mib));
+    let memory_mib = number("mem_mib")
+        .filter(|m| *m > 0)
+        .or_else(|| number("mem_per_cpu_mib").map(|m| m.saturating_mul(u64::from(vcpus))))
+        .map_or(restored.memory_mib, |m| {
+            m.clamp(floor, u64::from(restored.memory_mib)) as u32
+        });
+    crate::sandboxes::VmSize { vcpus, memory_mib }
 }
 
 /// The set-up sandbox of a `fork_from` sweep, made once by the first
@@ -393,11 +411,23 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
         .template_source(&account, &row.template)
         .await
         .map_err(|e| format!("template {}: {}", row.template, e.message))?;
-    let manifest = cp
+    let restored = cp
         .host
-        .engine()
-        .template(&resolved.base)
+        .source_manifest(&resolved.source)
         .map_err(|e| format!("template {}: {e}", row.template))?;
+    // `--cpus-per-task` and `--mem` give a VM of at most that size: the
+    // template's disk booted at that size once, then restored per task.
+    let size = task_size(row.slurm.as_ref(), &restored);
+    let source = cp
+        .host
+        .sized(&resolved.source, size.vcpus, size.memory_mib)
+        .await
+        .map_err(|e| {
+            format!(
+                "template {} at {} vCPUs and {} MiB: {e}",
+                row.template, size.vcpus, size.memory_mib
+            )
+        })?;
     let numbers: Option<Vec<u32>> = row.cells.iter().map(|v| v.parse::<u32>().ok()).collect();
     let integer_cells = numbers.is_some();
     let mut task_ids = numbers.unwrap_or_else(|| (0..row.cells.len() as u32).collect());
@@ -420,9 +450,13 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
         array,
         integer_cells,
         files,
-        source: resolved.source,
-        vcpus: manifest.vcpus,
-        memory_mib: manifest.memory_mib,
+        named_snapshot: match resolved.source {
+            Source::Snapshot(snapshot) => Some(snapshot),
+            Source::Template(_) => None,
+        },
+        source,
+        vcpus: size.vcpus,
+        memory_mib: size.memory_mib,
     });
     cp.runner
         .sweeps
@@ -1350,6 +1384,59 @@ async fn expand(agent: &AgentClient, pattern: &str) -> Result<Vec<(String, u64)>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn template_of(vcpus: u32, memory_mib: u32) -> shoal_host::Manifest {
+        shoal_host::Manifest {
+            id: "tpl-x".into(),
+            kind: shoal_host::Kind::Template,
+            template: "x".into(),
+            vcpus,
+            memory_mib,
+            memory_file: "m".into(),
+            devices_file: "d".into(),
+            disk_layers: Vec::new(),
+            depends_on: Vec::new(),
+            qemu_version: String::new(),
+            accel: shoal_host::Accel::Tcg,
+            kernel_version: String::new(),
+            input_hash: String::new(),
+            memory_sha256: None,
+            created_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_task_gets_what_it_asked_for_up_to_the_template() {
+        let t = template_of(8, 2048);
+        let size = |slurm: Value| {
+            let s = task_size(Some(&slurm), &t);
+            (s.vcpus, s.memory_mib)
+        };
+        assert_eq!(size(json!({})), (8, 2048), "nothing asked: the template's");
+        assert_eq!(task_size(None, &t).vcpus, 8);
+        assert_eq!(
+            size(json!({"cpus_per_task": 2, "mem_mib": 1024})),
+            (2, 1024)
+        );
+        assert_eq!(
+            size(json!({"cpus_per_task": 64, "mem_mib": 65536})),
+            (8, 2048),
+            "at most the template"
+        );
+        assert_eq!(
+            size(json!({"cpus_per_task": 2, "mem_per_cpu_mib": 300})),
+            (2, 600)
+        );
+        assert_eq!(
+            size(json!({"mem_mib": 16})),
+            (8, 256),
+            "never under a guest's floor"
+        );
+        assert_eq!(
+            size(json!({"mem_mib": null, "cpus_per_task": null})),
+            (8, 2048)
+        );
+    }
 
     #[test]
     fn tails_keep_the_end() {

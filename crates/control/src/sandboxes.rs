@@ -193,6 +193,10 @@ pub struct CreateBody {
     /// Whether the guest may open connections to the internet (default
     /// true); never to private addresses, the host or other sandboxes.
     allow_internet: Option<bool>,
+    /// The VM's size, at most its template's (a smaller one is that
+    /// template's disk booted at this size, once, then restored).
+    cpu: Option<u32>,
+    memory_mb: Option<u32>,
 }
 
 /// The longest TTL or lifetime a sandbox may ask for (ten years): past it
@@ -253,12 +257,19 @@ async fn create_detached(
 }
 
 impl CreateBody {
-    /// What a template build asks for its builder VM: `template`, with the
+    /// What a template build asks for its builder VM: `template` at `size`, with the
     /// internet (package registries), its id in the metadata, and no idle
     /// reaping before the build's own deadline.
-    pub(crate) fn builder(template: &str, build_id: &str, lifetime_seconds: i64) -> Self {
+    pub(crate) fn builder(
+        template: &str,
+        size: VmSize,
+        build_id: &str,
+        lifetime_seconds: i64,
+    ) -> Self {
         CreateBody {
             template: Some(template.to_owned()),
+            cpu: Some(size.vcpus),
+            memory_mb: Some(size.memory_mib),
             ttl_seconds: Some(lifetime_seconds),
             max_lifetime_seconds: Some(lifetime_seconds),
             metadata: Some([("shoal_build".to_owned(), build_id.to_owned())].into()),
@@ -280,31 +291,34 @@ pub(crate) async fn create_sandbox(
     let metadata = body.metadata.unwrap_or_default();
     check_metadata(&metadata)?;
     let volumes = crate::volumes::requests(&body.volumes.unwrap_or_default())?;
-    // What it restores from, the template its row names, and the
-    // first-party template that sizes it.
-    let (source, template, base, mode) = match &body.from_snapshot {
+    // What it restores from and the template its row names.
+    let (source, template, mode) = match &body.from_snapshot {
         Some(snapshot) => {
             let row = cp
                 .store
                 .get_snapshot(account.id, snapshot)
                 .await?
                 .ok_or_else(|| ApiError::not_found("snapshot not found"))?;
-            let base = row.template.clone();
-            (Source::Snapshot(row.id), row.template, base, "snapshot")
+            (Source::Snapshot(row.id), row.template, "snapshot")
         }
         None => {
             let name = body.template.unwrap_or_else(|| "code-interpreter".into());
             let resolved = cp.template_source(&account, &name).await?;
-            (resolved.source, name, resolved.base, "restore")
+            (resolved.source, name, "restore")
         }
     };
-    let manifest = cp.host.engine().template(&base)?;
-    let slot = cp.host.reserve(1, manifest.memory_mib).await?;
+    let restored = cp.host.source_manifest(&source)?;
+    let size = VmSize {
+        vcpus: body.cpu.unwrap_or(restored.vcpus),
+        memory_mib: body.memory_mb.unwrap_or(restored.memory_mib),
+    };
+    size.check_within(&restored)?;
+    let slot = cp.host.reserve(1, size.memory_mib).await?;
     let new = NewSandbox {
         id: new_id(),
         template,
-        cpu: manifest.vcpus,
-        memory_mb: manifest.memory_mib,
+        cpu: size.vcpus,
+        memory_mb: size.memory_mib,
         metadata,
         ttl_seconds: ttl,
         persistent: body.persistent.unwrap_or(false),
@@ -327,7 +341,14 @@ pub(crate) async fn create_sandbox(
         allow_internet: body.allow_internet.unwrap_or(true),
         volumes: cp.attachments(&account, &volumes),
     };
-    match cp.host.create(&slot, &row.id, &source, options).await {
+    let sized = match cp.host.sized(&source, size.vcpus, size.memory_mib).await {
+        Ok(sized) => sized,
+        Err(e) => {
+            cp.mark_failed(&row.id).await;
+            return Err(failed_after_admission(e));
+        }
+    };
+    match cp.host.create(&slot, &row.id, &sized, options).await {
         Ok(info) => {
             cp.came_up(&mut row, &info, mode).await?;
             Ok(row)
@@ -336,6 +357,35 @@ pub(crate) async fn create_sandbox(
             cp.mark_failed(&row.id).await;
             Err(failed_after_admission(e))
         }
+    }
+}
+
+/// The vCPUs and memory a sandbox's VM gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct VmSize {
+    pub(crate) vcpus: u32,
+    pub(crate) memory_mib: u32,
+}
+
+impl VmSize {
+    /// A 422 unless this size fits in `restored`'s (a VM is at most its
+    /// template's size; a smaller one is booted once at that size).
+    pub(crate) fn check_within(&self, restored: &shoal_host::Manifest) -> ApiResult<()> {
+        let min = shoal_host::imports::MIN_SIZED_MEMORY_MIB;
+        if self.vcpus == 0
+            || self.vcpus > restored.vcpus
+            || self.memory_mib > restored.memory_mib
+            || (self.memory_mib < min && self.memory_mib != restored.memory_mib)
+        {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!(
+                    "cpu must be from 1 to {} and memory_mb from {min} to {}: a sandbox is at most its template's size",
+                    restored.vcpus, restored.memory_mib
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

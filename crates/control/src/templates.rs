@@ -54,11 +54,16 @@ fn own_json(cp: &ControlPlane, account: &Account, row: &TemplateRow) -> Value {
     value
 }
 
-/// A template as another account sees it once an operator published it
-/// (its size is its base's): usable by name, its snapshot and owner not
-/// shown.
+/// A template as another account sees it once an operator published it:
+/// usable by name, its snapshot and owner not shown. Its size is its
+/// snapshot's (read where this host holds it; elsewhere in a fleet, its
+/// base's, which a template of its own size does not have).
 fn published_json(cp: &ControlPlane, row: &TemplateRow) -> Value {
-    let manifest = cp.host.engine().template(&row.base).ok();
+    let engine = cp.host.engine();
+    let manifest = engine
+        .snapshot_manifest(&row.snapshot_id)
+        .or_else(|_| engine.template(&row.base))
+        .ok();
     json!({
         "name": row.name,
         "cpu": manifest.as_ref().map(|m| m.vcpus),

@@ -24,6 +24,10 @@ use std::time::Duration;
 /// the save (a fresh root filesystem has nothing cached).
 const SETTLE_DEADLINE: Duration = Duration::from_secs(10);
 
+/// The id prefix of a snapshot that is another snapshot's or a template's
+/// disk booted at another size: deleted with the snapshot it came from.
+pub const SIZED_PREFIX: &str = "size-";
+
 /// The disk a [`Engine::boot_snapshot`] boots.
 #[derive(Debug, Clone)]
 pub enum BootDisk {
@@ -46,6 +50,8 @@ pub struct DiskBootSpec {
     /// The first-party template the snapshot counts as derived from (for
     /// listings and sizing defaults).
     pub template: String,
+    /// The snapshot's id; `None`: a new `snap-` one.
+    pub id: Option<String>,
 }
 
 impl Engine {
@@ -60,7 +66,14 @@ impl Engine {
         }
         let artifacts = shoal_image::current_artifacts(&self.config.cache_dir, "base")
             .ok_or_else(|| EngineError::UnknownTemplate("base".into()))?;
-        let id = format!("snap-{}", &crate::new_sandbox_id()[3..]);
+        let id = match &spec.id {
+            Some(id) if crate::valid_id(id) => id.clone(),
+            Some(id) => return Err(EngineError::InvalidInput(format!("bad snapshot id {id:?}"))),
+            None => format!("snap-{}", &crate::new_sandbox_id()[3..]),
+        };
+        if self.captures_dir().join(&id).exists() {
+            return Err(EngineError::InvalidInput(format!("snapshot {id} exists")));
+        }
         let final_dir = self.captures_dir().join(&id);
         let dir = self.captures_dir().join(format!("{id}.tmp"));
         std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;

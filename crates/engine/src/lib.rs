@@ -53,7 +53,7 @@ pub mod volume;
 
 pub use accel::Accel;
 pub use bake::BakeProgress;
-pub use disk_boot::{BootDisk, DiskBootSpec};
+pub use disk_boot::{BootDisk, DiskBootSpec, SIZED_PREFIX};
 pub use error::{EngineError, Result};
 pub use manifest::{Kind, Manifest};
 pub use priority::CpuPriority;
@@ -829,6 +829,20 @@ impl Engine {
         let mut manifest = Manifest::load(&dir)?;
         manifest.kind = Kind::Fork;
         manifest.store(&dir)?;
+        // Its sized copies (booted from its disk at another size) go with
+        // it; snapshots users took of sandboxes restored from it stay.
+        for derived in self.snapshots() {
+            if derived.id.starts_with(SIZED_PREFIX)
+                && derived.depends_on.iter().any(|d| d == snapshot)
+            {
+                let dir = self.captures_dir().join(&derived.id);
+                let demoted = Manifest {
+                    kind: Kind::Fork,
+                    ..derived
+                };
+                demoted.store(&dir)?;
+            }
+        }
         drop(_gc);
         self.collect_captures().await;
         Ok(())
@@ -1172,7 +1186,7 @@ pub fn new_sandbox_id() -> String {
     )
 }
 
-fn valid_id(id: &str) -> bool {
+pub(crate) fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
         && id

@@ -8,8 +8,9 @@
 //! for as long as it runs, and nothing starts while the state disk is
 //! short of room for the image.
 
-use crate::{HostAgent, HostError, Result};
-use shoal_engine::{BootDisk, DiskBootSpec, Manifest};
+use crate::{HostAgent, HostError, Result, Source};
+use sha2::{Digest, Sha256};
+use shoal_engine::{BootDisk, DiskBootSpec, Manifest, SIZED_PREFIX};
 use shoal_image::import::ImportReport;
 use std::path::PathBuf;
 
@@ -84,6 +85,7 @@ impl HostAgent {
                     vcpus: spec.vcpus,
                     memory_mib: spec.memory_mib,
                     template: "base".into(),
+                    id: None,
                 })
                 .await?;
             Ok((manifest, report))
@@ -99,5 +101,75 @@ impl HostAgent {
         self.capacity.check_disk()?;
         let _slot = self.reserve(1, spec.memory_mib).await?;
         Ok(self.engine.boot_snapshot(spec).await?)
+    }
+}
+
+/// The smallest guest memory a sized copy may have: a Debian guest with
+/// the agent boots in less, but not with room to run anything.
+pub const MIN_SIZED_MEMORY_MIB: u32 = 256;
+
+impl HostAgent {
+    /// What a create from `source` restores (its size, its layers).
+    pub fn source_manifest(&self, source: &Source) -> Result<Manifest> {
+        Ok(match source {
+            Source::Template(name) => self.engine.template(name)?,
+            Source::Snapshot(id) => self.engine.snapshot_manifest(id)?,
+        })
+    }
+
+    /// `source` at `vcpus` and `memory_mib`: `source` itself when it has
+    /// that size, else its disk booted at that size, saved once as a
+    /// snapshot (`size-<hash>`) and reused by every later create of that
+    /// size. A size above the source's is [`HostError::Invalid`]: a VM is
+    /// at most its template's size.
+    pub async fn sized(&self, source: &Source, vcpus: u32, memory_mib: u32) -> Result<Source> {
+        let manifest = self.source_manifest(source)?;
+        if (vcpus, memory_mib) == (manifest.vcpus, manifest.memory_mib) {
+            return Ok(source.clone());
+        }
+        if vcpus == 0
+            || vcpus > manifest.vcpus
+            || memory_mib < MIN_SIZED_MEMORY_MIB
+            || memory_mib > manifest.memory_mib
+        {
+            return Err(HostError::Invalid(format!(
+                "a sandbox of {} may have 1 to {} vCPUs and {MIN_SIZED_MEMORY_MIB} to {} MiB                  (asked for {vcpus} and {memory_mib} MiB)",
+                manifest.template, manifest.vcpus, manifest.memory_mib
+            )));
+        }
+        let mut hasher = Sha256::new();
+        for part in [
+            manifest.id.as_str(),
+            &manifest.created_unix_ms.to_string(),
+            &manifest.input_hash,
+            &vcpus.to_string(),
+            &memory_mib.to_string(),
+        ] {
+            hasher.update((part.len() as u64).to_le_bytes());
+            hasher.update(part.as_bytes());
+        }
+        let id = format!(
+            "{SIZED_PREFIX}{}",
+            &format!("{:x}", hasher.finalize())[..16]
+        );
+        // One boot per size at a time; a second create of that size waits
+        // for it and restores what it saved.
+        let _one = self.sizing.lock().await;
+        if self.engine.snapshot_manifest(&id).is_ok() {
+            return Ok(Source::Snapshot(id));
+        }
+        let disk = match source {
+            Source::Template(name) => BootDisk::TemplateDisk(name.clone()),
+            Source::Snapshot(snapshot) => BootDisk::SnapshotDisk(snapshot.clone()),
+        };
+        self.boot_disk(DiskBootSpec {
+            disk,
+            vcpus,
+            memory_mib,
+            template: manifest.template.clone(),
+            id: Some(id.clone()),
+        })
+        .await?;
+        Ok(Source::Snapshot(id))
     }
 }

@@ -20,8 +20,8 @@ pub use shoal_engine::qemu::VOLUME_SLOTS;
 pub use shoal_engine::vm::OUT_OF_MEMORY;
 pub use shoal_engine::volume::valid_name as valid_volume_name;
 pub use shoal_engine::{
-    CpuPriority, CreateOptions, Engine, EngineConfig, EngineError, Fork, Manifest, SandboxInfo,
-    Usage, VmFailure, VmState, VolumeAttachment,
+    Accel, CpuPriority, CreateOptions, Engine, EngineConfig, EngineError, Fork, Kind, Manifest,
+    SandboxInfo, Usage, VmFailure, VmState, VolumeAttachment,
 };
 pub use shoal_repl::{CellOutput, ReplError};
 
@@ -115,6 +115,8 @@ pub struct HostAgent {
     capacity: Capacity,
     sessions: repl::Sessions,
     guest_agent: Option<PathBuf>,
+    /// Held while a sized copy boots (`imports.rs`).
+    sizing: tokio::sync::Mutex<()>,
 }
 
 impl HostAgent {
@@ -127,6 +129,7 @@ impl HostAgent {
                 .with_disk_reserve(&config.engine.state_dir, config.disk_reserve_mib),
             sessions: repl::Sessions::default(),
             guest_agent: config.guest_agent.clone(),
+            sizing: tokio::sync::Mutex::new(()),
         }))
     }
 

@@ -358,7 +358,9 @@ pub fn sweep_request(
             "requeue": d.requeue.unwrap_or(true),
             "time_limit_seconds": timeout,
             "cluster_name": config.cluster_name(),
-            "vcpus": template.cpus,
+            // A task's VM: the template's size, or fewer CPUs where the
+            // job asked for fewer (the runner sizes it the same way).
+            "vcpus": d.cpus_per_task.map_or(template.cpus, |c| c.clamp(1, template.cpus)),
         },
     });
     if let Some(throttle) = d.array.as_ref().and_then(|a| a.throttle) {
