@@ -319,3 +319,36 @@ def test_an_operator_publishes_a_template_to_every_account(shoal, make_account):
     owner_client.templates.delete("lab-stack")
     live, snapshots = _leftovers(shoal, owner.token)
     assert live == [] and snapshots == [], (live, snapshots)
+
+
+def test_a_changed_build_reuses_its_unchanged_prefix(shoal, make_account):
+    owner = make_account("team", "builds-layers")
+    client = shoal.client(owner.token)
+    slow = "RUN sleep 2 && echo slow-step-ran && echo one > /one\n"
+    first = "FROM base\nENV STAGE=one\n" + slow + "RUN echo two > /two\n"
+    build = client.templates.build_from_dockerfile("layered", first)
+    build = client.templates.wait_for_build(build.id, poll_interval=0.5, timeout_seconds=600)
+    first_log = list(client.templates.build_logs(build.id, follow=False))
+    assert build.status == "done" and "slow-step-ran" in first_log, first_log
+
+    # The last step changes: the ENV and the slow RUN come from the layer
+    # the first build left, and only the changed step runs.
+    second = "FROM base\nENV STAGE=one\n" + slow + "RUN echo changed > /two\n"
+    build = client.templates.build_from_dockerfile("layered", second)
+    build = client.templates.wait_for_build(build.id, poll_interval=0.5, timeout_seconds=600)
+    log = list(client.templates.build_logs(build.id, follow=False))
+    assert build.status == "done", log
+    assert any("steps 1-2 are those of an earlier build" in l for l in log), log
+    assert "slow-step-ran" not in log, log
+    sandbox = client.sandboxes.create(template="layered")
+    try:
+        assert sandbox.exec('cat /one /two; echo "$STAGE"').stdout == "one\nchanged\none\n"
+    finally:
+        sandbox.kill()
+
+    # Another account's identical Dockerfile restores none of it.
+    other = shoal.client(make_account("team", "builds-layers-other").token)
+    build = other.templates.build_from_dockerfile("layered", second)
+    build = other.templates.wait_for_build(build.id, poll_interval=0.5, timeout_seconds=600)
+    log = list(other.templates.build_logs(build.id, follow=False))
+    assert build.status == "done" and "slow-step-ran" in log, log

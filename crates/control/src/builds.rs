@@ -1013,12 +1013,35 @@ async fn build(
     recipe: &DockerfileRecipe,
     log: &LiveLog,
 ) -> Result<String, Failure> {
-    log.line(&format!(
-        "FROM {}: starting the builder",
-        recipe.base.template
-    ));
+    let layer_keys = crate::build_layers::keys(
+        account.id,
+        &format!(
+            "{}:{}:{}",
+            recipe.base.identity, recipe.size.vcpus, recipe.size.memory_mib
+        ),
+        &recipe.parsed.steps,
+        |index| copied_files(recipe, index),
+    );
+    let (layer, done) = match crate::build_layers::deepest(cp, &layer_keys) {
+        Some((done, snapshot)) => {
+            log.line(&format!(
+                "FROM {}: steps 1-{done} are those of an earlier build; starting the builder from \
+                 their cached layer",
+                recipe.base.template
+            ));
+            (Some(snapshot), done)
+        }
+        None => {
+            log.line(&format!(
+                "FROM {}: starting the builder",
+                recipe.base.template
+            ));
+            (None, 0)
+        }
+    };
     let body = CreateBody::builder(
         &recipe.base.template,
+        layer,
         recipe.size,
         &job.row.id,
         BUILD_LIFETIME_SECONDS,
@@ -1026,7 +1049,11 @@ async fn build(
     let sandbox = create_sandbox(cp, account, body)
         .await
         .map_err(|e| Failure(format!("starting the builder VM: {}", e.message)))?;
-    let result = build_in(cp, account, recipe, log, &sandbox.id).await;
+    let layers = Layers {
+        keys: &layer_keys,
+        done,
+    };
+    let result = build_in(cp, account, recipe, log, &sandbox.id, layers).await;
     if let Err(e) = cp.destroy(&sandbox.id).await {
         tracing::warn!(sandbox = sandbox.id, error = %e.message, "removing a build's builder VM");
     }
@@ -1039,6 +1066,29 @@ async fn build(
         return Err(failure);
     }
     Ok(snapshot.id)
+}
+
+/// The (destination, content) of every file step `index` copies: part of
+/// its layer's key.
+fn copied_files(recipe: &DockerfileRecipe, index: usize) -> Vec<(String, Vec<u8>)> {
+    let Some(step) = recipe.parsed.steps.get(index) else {
+        return Vec::new();
+    };
+    let Action::Copy { sources, dest, .. } = &step.action else {
+        return Vec::new();
+    };
+    placements(step.line, sources, dest, &recipe.context)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|p| Some((p.dest, recipe.context.files.get(&p.source)?.clone())))
+        .collect()
+}
+
+/// The build's layer keys (one per step) and how many steps the layer the
+/// builder restored already holds.
+struct Layers<'a> {
+    keys: &'a [String],
+    done: usize,
 }
 
 /// What the image's execs start with so far.
@@ -1065,6 +1115,7 @@ async fn build_in(
     job: &DockerfileRecipe,
     log: &LiveLog,
     sandbox: &str,
+    layers: Layers<'_>,
 ) -> Result<shoal_store::SnapshotRow, Failure> {
     let agent = cp
         .host
@@ -1088,6 +1139,18 @@ async fn build_in(
             instruction_text(&job.text, line)
         ));
         let at = |why: String| Failure(format!("Dockerfile line {line}: {why}"));
+        if index < layers.done {
+            // In the restored layer already: only what it says of the
+            // image's settings is needed again.
+            match &step.action {
+                Action::Env { vars } => settings.env.extend(vars.clone()),
+                Action::Workdir { path } => settings.cwd = path.clone(),
+                Action::User { user } => settings.user = Some(user.clone()),
+                Action::Run { .. } | Action::Copy { .. } => {}
+            }
+            log.line("  (cached)");
+            continue;
+        }
         match &step.action {
             Action::Run { argv, args } => {
                 if written.as_ref() != Some(&settings) {
@@ -1102,6 +1165,9 @@ async fn build_in(
                     .map_err(at)?;
                 if code != 0 {
                     return Err(at(format!("RUN exited with status {code}")));
+                }
+                if let Some(key) = layers.keys.get(index) {
+                    crate::build_layers::checkpoint(cp, sandbox, key).await;
                 }
             }
             Action::Copy {

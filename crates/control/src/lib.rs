@@ -13,6 +13,7 @@
 //! [`shoal_host::HostAgent`]), or SQL (only through [`shoal_store::Store`]).
 
 mod apps;
+mod build_layers;
 mod builds;
 mod error;
 mod exec;

@@ -197,6 +197,11 @@ pub struct CreateBody {
     /// template's disk booted at this size, once, then restored).
     cpu: Option<u32>,
     memory_mb: Option<u32>,
+    /// A build's cached layer (`build_layers.rs`) to restore instead of the
+    /// template: a snapshot of this host's, not of any account's rows.
+    /// Never read from a request.
+    #[serde(skip)]
+    layer: Option<String>,
 }
 
 /// The longest TTL or lifetime a sandbox may ask for (ten years): past it
@@ -262,11 +267,13 @@ impl CreateBody {
     /// reaping before the build's own deadline.
     pub(crate) fn builder(
         template: &str,
+        layer: Option<String>,
         size: VmSize,
         build_id: &str,
         lifetime_seconds: i64,
     ) -> Self {
         CreateBody {
+            layer,
             template: Some(template.to_owned()),
             cpu: Some(size.vcpus),
             memory_mb: Some(size.memory_mib),
@@ -292,20 +299,27 @@ pub(crate) async fn create_sandbox(
     check_metadata(&metadata)?;
     let volumes = crate::volumes::requests(&body.volumes.unwrap_or_default())?;
     // What it restores from and the template its row names.
-    let (source, template, mode) = match &body.from_snapshot {
-        Some(snapshot) => {
-            let row = cp
-                .store
-                .get_snapshot(account.id, snapshot)
-                .await?
-                .ok_or_else(|| ApiError::not_found("snapshot not found"))?;
-            (Source::Snapshot(row.id), row.template, "snapshot")
-        }
-        None => {
-            let name = body.template.unwrap_or_else(|| "code-interpreter".into());
-            let resolved = cp.template_source(&account, &name).await?;
-            (resolved.source, name, "restore")
-        }
+    let (source, template, mode) = match (&body.layer, &body.from_snapshot) {
+        (Some(layer), _) => (
+            Source::Snapshot(layer.clone()),
+            body.template.clone().unwrap_or_default(),
+            "restore",
+        ),
+        (None, from_snapshot) => match from_snapshot {
+            Some(snapshot) => {
+                let row = cp
+                    .store
+                    .get_snapshot(account.id, snapshot)
+                    .await?
+                    .ok_or_else(|| ApiError::not_found("snapshot not found"))?;
+                (Source::Snapshot(row.id), row.template, "snapshot")
+            }
+            None => {
+                let name = body.template.unwrap_or_else(|| "code-interpreter".into());
+                let resolved = cp.template_source(&account, &name).await?;
+                (resolved.source, name, "restore")
+            }
+        },
     };
     let restored = cp.host.source_manifest(&source)?;
     let size = VmSize {
@@ -324,6 +338,7 @@ pub(crate) async fn create_sandbox(
         persistent: body.persistent.unwrap_or(false),
         max_lifetime_seconds: max_lifetime,
         from_snapshot: match &source {
+            Source::Snapshot(_) if body.layer.is_some() => None,
             Source::Snapshot(snapshot) => Some(snapshot.clone()),
             Source::Template(_) => None,
         },
