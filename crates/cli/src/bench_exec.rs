@@ -40,8 +40,8 @@ pub struct ExecOutputBenchArgs {
 }
 
 /// A `shoal up` this bench started; stopped (SIGTERM) when dropped.
-struct Server {
-    child: Child,
+pub(crate) struct Server {
+    pub(crate) child: Child,
     state: PathBuf,
 }
 
@@ -74,9 +74,15 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
-async fn start_server(args: &ExecOutputBenchArgs) -> Result<(Server, String, String)> {
+/// Starts a `shoal up` of the bench's own (SQLite, a fresh state dir, the
+/// shared template cache) and makes a team token; its URL and the token.
+pub(crate) async fn start_server(
+    label: &str,
+    cache_dir: &std::path::Path,
+    guest_agent: Option<&std::path::Path>,
+) -> Result<(Server, String, String)> {
     let shoal = std::env::current_exe()?;
-    let state = std::env::temp_dir().join(format!("shoal-bench-exec-{}", std::process::id()));
+    let state = std::env::temp_dir().join(format!("shoal-bench-{label}-{}", std::process::id()));
     std::fs::create_dir_all(&state)?;
     let database = format!("sqlite:{}", state.join("shoal.db").display());
     let port = free_port()?;
@@ -87,11 +93,11 @@ async fn start_server(args: &ExecOutputBenchArgs) -> Result<(Server, String, Str
         .arg("--state-dir")
         .arg(&state)
         .arg("--cache-dir")
-        .arg(&args.cache_dir)
+        .arg(cache_dir)
         .args(["--database-url", &database])
         .stdout(Stdio::null())
         .stderr(log);
-    if let Some(agent) = &args.guest_agent {
+    if let Some(agent) = guest_agent {
         command.arg("--guest-agent").arg(agent);
     }
     let child = command.spawn().context("starting shoal up")?;
@@ -143,7 +149,8 @@ pub async fn exec_output(args: ExecOutputBenchArgs) -> Result<()> {
     let (_server, base, token, pid) = match (&args.url, &args.token, args.pid) {
         (Some(url), Some(token), Some(pid)) => (None, url.clone(), token.clone(), pid),
         (None, _, _) => {
-            let (server, base, token) = start_server(&args).await?;
+            let (server, base, token) =
+                start_server("exec", &args.cache_dir, args.guest_agent.as_deref()).await?;
             let pid = server.child.id();
             (Some(server), base, token, pid)
         }

@@ -8,6 +8,7 @@ mod bench;
 mod bench_exec;
 mod bench_fleet;
 mod bench_sweep;
+mod bench_template;
 mod fleet;
 mod slurm;
 mod templates;
@@ -223,6 +224,9 @@ enum BenchCommand {
     /// The server's peak RSS growth over one plain exec that prints a lot
     /// (2 GB by default; issue 19's goal: under 64 MiB).
     ExecOutput(bench_exec::ExecOutputBenchArgs),
+    /// A Dockerfile equal to code-interpreter built, rebuilt unchanged (the
+    /// cache) and created from, against code-interpreter (issue 21).
+    Template(bench_template::TemplateBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -471,6 +475,12 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             command: BenchCommand::ExecOutput(args),
         } => {
             bench_exec::exec_output(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            command: BenchCommand::Template(args),
+        } => {
+            bench_template::template(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
     }

@@ -83,6 +83,16 @@ async fn capture_into(
                 Ok(Err(e)) => tracing::debug!(id = %vm.id, error = %e, "agent did not settle"),
                 Err(_) => tracing::debug!(id = %vm.id, "agent did not settle in time"),
             }
+            // A snapshot's disk may later be booted on its own (a smaller
+            // VM of the template it names, `disk_boot.rs`), without the
+            // memory that holds the guest's unwritten files: write them.
+            if kind == Kind::Snapshot {
+                match tokio::time::timeout(SETTLE_DEADLINE, live.agent.sync()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(id = %vm.id, error = %e, "guest sync failed"),
+                    Err(_) => tracing::debug!(id = %vm.id, "guest sync did not end in time"),
+                }
+            }
         }
     };
     let (copied, ()) = tokio::join!(copy, settle);
