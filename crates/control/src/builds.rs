@@ -906,7 +906,7 @@ async fn cached(
 /// Names `snapshot` as the build's template, replacing an earlier template
 /// of that name; the earlier one's snapshot is collected if a build made it
 /// and nothing else names it.
-pub(crate) async fn name_template(
+async fn name_template(
     cp: &Arc<ControlPlane>,
     account: &Account,
     job: &Job,
@@ -1058,14 +1058,26 @@ async fn build(
         tracing::warn!(sandbox = sandbox.id, error = %e.message, "removing a build's builder VM");
     }
     let snapshot = result?;
-    if let Err(failure) = name_template(cp, account, job, &snapshot.id).await {
-        if let Err(e) = cp.host.delete_snapshot(&snapshot.id).await {
-            tracing::warn!(snapshot = snapshot.id, error = %e, "removing a failed build's capture");
-        }
-        let _ = cp.store.delete_snapshot(account.id, &snapshot.id).await;
-        return Err(failure);
-    }
+    name_or_discard(cp, account, job, &snapshot.id).await?;
     Ok(snapshot.id)
+}
+
+/// Names the snapshot a build made as its template; if that fails, the
+/// snapshot (files and row) goes, so a failed build leaves nothing.
+pub(crate) async fn name_or_discard(
+    cp: &Arc<ControlPlane>,
+    account: &Account,
+    job: &Job,
+    snapshot: &str,
+) -> Result<(), Failure> {
+    let Err(failure) = name_template(cp, account, job, snapshot).await else {
+        return Ok(());
+    };
+    if let Err(e) = cp.host.delete_snapshot(snapshot).await {
+        tracing::warn!(snapshot, error = %e, "removing a failed build's snapshot");
+    }
+    let _ = cp.store.delete_snapshot(account.id, snapshot).await;
+    Err(failure)
 }
 
 /// The (destination, content) of every file step `index` copies: part of

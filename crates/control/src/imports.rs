@@ -21,7 +21,7 @@
 //! step. Does not own: unpacking and the disk (`shoal_image::import`), the
 //! boot (`shoal_engine::disk_boot`), build rows and logs (`builds.rs`).
 
-use crate::builds::{name_template, Failure, Job, LiveLog};
+use crate::builds::{name_or_discard, Failure, Job, LiveLog};
 use crate::error::{ApiError, ApiResult};
 use crate::ControlPlane;
 use axum::http::StatusCode;
@@ -318,12 +318,6 @@ pub(crate) async fn build(
     let row = cp
         .record_capture(account, &manifest.id, None, "base")
         .await?;
-    if let Err(failure) = name_template(cp, account, job, &row.id).await {
-        if let Err(e) = cp.host.delete_snapshot(&row.id).await {
-            tracing::warn!(snapshot = row.id, error = %e, "removing a failed import's snapshot");
-        }
-        let _ = cp.store.delete_snapshot(account.id, &row.id).await;
-        return Err(failure);
-    }
+    name_or_discard(cp, account, job, &row.id).await?;
     Ok(row.id)
 }

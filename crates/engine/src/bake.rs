@@ -106,15 +106,6 @@ impl Engine {
                 return Err(e);
             }
         };
-        for leftover in [
-            "qmp.sock",
-            "agent.sock",
-            "qemu.log",
-            "volume-slot-0.raw",
-            "volume-slot-1.raw",
-        ] {
-            let _ = std::fs::remove_file(tmp_dir.join(leftover));
-        }
         std::fs::rename(&tmp_dir, &final_dir)
             .io_context(|| format!("renaming {}", tmp_dir.display()))?;
         set_current(&template_dir, &hash)?;
@@ -226,52 +217,36 @@ impl Engine {
             confinement: qemu::Confinement::pending(),
         };
         let booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
-        let ColdBoot {
-            _net,
-            _jail,
-            mut child,
-            pid,
-            qmp,
-            agent,
-            boot_ms,
-        } = booted;
-        let outcome = async {
-            bar.set_message(format!(
-                "{name}: guest agent up after {:.1}s; warming",
-                boot_ms / 1000.0
-            ));
-            if let Some(command) = warmup_command(name) {
-                let output = agent
-                    .exec_collect(ExecRequest {
-                        cmd: command.to_string(),
-                        timeout: Some(Duration::from_secs(180)),
-                        ..ExecRequest::default()
-                    })
-                    .await?;
+        bar.set_message(format!(
+            "{name}: guest agent up after {:.1}s; warming",
+            booted.boot_ms / 1000.0
+        ));
+        if let Some(command) = warmup_command(name) {
+            let warmed = booted
+                .agent
+                .exec_collect(ExecRequest {
+                    cmd: command.to_string(),
+                    timeout: Some(Duration::from_secs(180)),
+                    ..ExecRequest::default()
+                })
+                .await;
+            match warmed {
                 // A failed warm-up costs clones speed, not correctness.
-                if output.status.code != Some(0) {
-                    tracing::warn!(
-                        template = name,
-                        status = ?output.status,
-                        stderr = %String::from_utf8_lossy(&output.stderr).trim(),
-                        "template warm-up failed"
-                    );
+                Ok(output) if output.status.code != Some(0) => tracing::warn!(
+                    template = name,
+                    status = ?output.status,
+                    stderr = %String::from_utf8_lossy(&output.stderr).trim(),
+                    "template warm-up failed"
+                ),
+                Ok(_) => {}
+                Err(e) => {
+                    booted.kill().await;
+                    return Err(e.into());
                 }
             }
-            agent.sync().await?;
-            bar.set_message(format!("{name}: saving the snapshot"));
-            qmp.stop().await?;
-            qemu::save_device_state(&qmp, &dir.join("devices")).await?;
-            qmp.quit().await?;
-            Ok::<(), EngineError>(())
         }
-        .await;
-        drop(agent);
-        if outcome.is_err() {
-            kill_process_group(pid);
-        }
-        let _ = child.wait().await;
-        outcome?;
+        bar.set_message(format!("{name}: saving the snapshot"));
+        booted.save(dir).await?;
         let manifest = Manifest {
             disk_layers: vec![artifacts.rootfs.clone(), final_dir.join("disk.qcow2")],
             created_unix_ms: now_unix_ms(),
@@ -292,6 +267,46 @@ pub(crate) struct ColdBoot {
     pub(crate) qmp: shoal_qmp::Qmp,
     pub(crate) agent: AgentClient,
     pub(crate) boot_ms: f64,
+}
+
+impl ColdBoot {
+    /// Writes the guest's files to its disk, stops it, saves its device
+    /// state to `dir/devices` and quits QEMU (killing it on any failure),
+    /// then removes what only the running VM needed. QEMU has exited when
+    /// this returns.
+    pub(crate) async fn save(self, dir: &Path) -> Result<()> {
+        let saved = async {
+            self.agent.sync().await?;
+            self.qmp.stop().await?;
+            qemu::save_device_state(&self.qmp, &dir.join("devices")).await?;
+            self.qmp.quit().await?;
+            Ok::<(), EngineError>(())
+        }
+        .await;
+        if saved.is_err() {
+            kill_process_group(self.pid);
+        }
+        let mut child = self.child;
+        let _ = child.wait().await;
+        saved?;
+        for leftover in [
+            "qmp.sock",
+            "agent.sock",
+            "qemu.log",
+            "volume-slot-0.raw",
+            "volume-slot-1.raw",
+        ] {
+            let _ = std::fs::remove_file(dir.join(leftover));
+        }
+        Ok(())
+    }
+
+    /// Kills QEMU and waits for it.
+    pub(crate) async fn kill(self) {
+        kill_process_group(self.pid);
+        let mut child = self.child;
+        let _ = child.wait().await;
+    }
 }
 
 /// Boots `launch` from its kernel and waits for the guest agent. On failure

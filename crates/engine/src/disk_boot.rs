@@ -11,11 +11,11 @@
 //! Owns: the boot and the capture directory it writes. Does not own: making
 //! the image (`shoal_image`), naming the snapshot (the control plane).
 
-use crate::bake::{cold_boot, ColdBoot};
+use crate::bake::cold_boot;
 use crate::error::{EngineError, IoContext, Result};
 use crate::manifest::{now_unix_ms, Kind, Manifest};
 use crate::qemu::{self, Boot, LaunchSpec};
-use crate::vm::{kill_process_group, with_qemu_log};
+use crate::vm::with_qemu_log;
 use crate::Engine;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -171,45 +171,21 @@ impl Engine {
             volume_slots: crate::volume::bake_slots(dir)?,
             confinement: qemu::Confinement::pending(),
         };
-        let ColdBoot {
-            _net,
-            _jail,
-            mut child,
-            pid,
-            qmp,
-            agent,
-            boot_ms,
-        } = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
-        tracing::info!(snapshot = id, boot_ms, "booted a disk for a snapshot");
-        let saved = async {
-            if tokio::time::timeout(SETTLE_DEADLINE, agent.settle())
-                .await
-                .is_err()
-            {
-                tracing::debug!(snapshot = id, "agent did not settle in time");
-            }
-            agent.sync().await?;
-            qmp.stop().await?;
-            qemu::save_device_state(&qmp, &dir.join("devices")).await?;
-            qmp.quit().await?;
-            Ok::<(), EngineError>(())
+        let booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
+        tracing::info!(
+            snapshot = id,
+            boot_ms = booted.boot_ms,
+            "booted a disk for a snapshot"
+        );
+        // A fresh root filesystem has nothing cached: let the agent finish
+        // its own start-up work here rather than in every restore.
+        if tokio::time::timeout(SETTLE_DEADLINE, booted.agent.settle())
+            .await
+            .is_err()
+        {
+            tracing::debug!(snapshot = id, "agent did not settle in time");
         }
-        .await;
-        drop(agent);
-        if saved.is_err() {
-            kill_process_group(pid);
-        }
-        let _ = child.wait().await;
-        saved?;
-        for leftover in [
-            "qmp.sock",
-            "agent.sock",
-            "qemu.log",
-            "volume-slot-0.raw",
-            "volume-slot-1.raw",
-        ] {
-            let _ = std::fs::remove_file(dir.join(leftover));
-        }
+        booted.save(dir).await?;
         manifest.disk_layers.push(final_dir.join("disk.qcow2"));
         manifest.created_unix_ms = now_unix_ms();
         manifest.store(dir)?;

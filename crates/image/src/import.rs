@@ -114,19 +114,15 @@ pub fn image_from_rootfs_tar(
     work: &Path,
 ) -> Result<ImportReport, ImageError> {
     require_static(agent)?;
-    let root = work.join("root");
-    fs::create_dir_all(&root).ctx(|| format!("creating {}", root.display()))?;
-    let mut budget = Budget::for_disk(disk_mib);
-    apply_layer(&root, tar, "the root filesystem tarball", &mut budget)?;
-    let report = ImportReport {
-        layers: 1,
-        entries: budget.entries,
-        bytes: budget.bytes,
-        skipped: budget.skipped,
-        config: ImageConfig::default(),
-    };
-    finish(&root, agent, image, disk_mib, &report.config)?;
-    Ok(report)
+    let layers = [(tar.to_owned(), "the root filesystem tarball".to_owned())];
+    image_from_layers(
+        &layers,
+        ImageConfig::default(),
+        agent,
+        image,
+        disk_mib,
+        work,
+    )
 }
 
 /// Makes `image` from an OCI image archive: `docker save` output or an
@@ -152,11 +148,29 @@ pub fn image_from_oci_archive(
         outer
     };
     let (layers, config) = image_layers(&layout)?;
+    let layers: Vec<(PathBuf, String)> = layers
+        .into_iter()
+        .enumerate()
+        .map(|(index, layer)| (layer, format!("layer {}", index + 1)))
+        .collect();
+    image_from_layers(&layers, config, agent, image, disk_mib, work)
+}
+
+/// Unpacks `layers` (bottom first, each with how messages name it) into
+/// `work/root`, installs the agent and `config`, and makes the disk.
+fn image_from_layers(
+    layers: &[(PathBuf, String)],
+    config: ImageConfig,
+    agent: &Path,
+    image: &Path,
+    disk_mib: u32,
+    work: &Path,
+) -> Result<ImportReport, ImageError> {
     let root = work.join("root");
     fs::create_dir_all(&root).ctx(|| format!("creating {}", root.display()))?;
     let mut budget = Budget::for_disk(disk_mib);
-    for (index, layer) in layers.iter().enumerate() {
-        apply_layer(&root, layer, &format!("layer {}", index + 1), &mut budget)?;
+    for (layer, what) in layers {
+        apply_layer(&root, layer, what, &mut budget)?;
     }
     let report = ImportReport {
         layers: layers.len(),
