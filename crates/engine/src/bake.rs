@@ -23,6 +23,9 @@ use std::time::Duration;
 /// How long a cold boot may take to reach the guest agent (TCG is slow).
 const BOOT_DEADLINE: Duration = Duration::from_secs(300);
 
+/// How long a booted guest may take to write its files before the save.
+const SYNC_DEADLINE: Duration = Duration::from_secs(60);
+
 /// Where bake progress goes: the CLI passes a `MultiProgress`; tests pass a
 /// hidden one.
 pub type BakeProgress = indicatif::MultiProgress;
@@ -276,7 +279,11 @@ impl ColdBoot {
     /// this returns.
     pub(crate) async fn save(self, dir: &Path) -> Result<()> {
         let saved = async {
-            self.agent.sync().await?;
+            // The guest's agent may be a tenant's (a sized copy boots the
+            // disk of a tenant's snapshot): it gets a deadline.
+            tokio::time::timeout(SYNC_DEADLINE, self.agent.sync())
+                .await
+                .map_err(|_| EngineError::Timeout("the guest's sync before the save".into()))??;
             self.qmp.stop().await?;
             qemu::save_device_state(&self.qmp, &dir.join("devices")).await?;
             self.qmp.quit().await?;

@@ -152,9 +152,17 @@ impl HostAgent {
             "{SIZED_PREFIX}{}",
             &format!("{:x}", hasher.finalize())[..16]
         );
-        // One boot per size at a time; a second create of that size waits
-        // for it and restores what it saved.
-        let _one = self.sizing.lock().await;
+        // One boot per copy at a time; a second create of that size waits
+        // for it and restores what it saved. Per copy, not per host: a
+        // tenant's slow disk delays only the copies of its own snapshot.
+        let lock = self
+            .sizing
+            .lock()
+            .await
+            .entry(id.clone())
+            .or_default()
+            .clone();
+        let _one = lock.lock().await;
         if self.engine.snapshot_manifest(&id).is_ok() {
             return Ok(Source::Snapshot(id));
         }
@@ -162,14 +170,17 @@ impl HostAgent {
             Source::Template(name) => BootDisk::TemplateDisk(name.clone()),
             Source::Snapshot(snapshot) => BootDisk::SnapshotDisk(snapshot.clone()),
         };
-        self.boot_disk(DiskBootSpec {
-            disk,
-            vcpus,
-            memory_mib,
-            template: manifest.template.clone(),
-            id: Some(id.clone()),
-        })
-        .await?;
+        let booted = self
+            .boot_disk(DiskBootSpec {
+                disk,
+                vcpus,
+                memory_mib,
+                template: manifest.template.clone(),
+                id: Some(id.clone()),
+            })
+            .await;
+        self.sizing.lock().await.remove(&id);
+        booted?;
         Ok(Source::Snapshot(id))
     }
 }

@@ -115,8 +115,8 @@ pub struct HostAgent {
     capacity: Capacity,
     sessions: repl::Sessions,
     guest_agent: Option<PathBuf>,
-    /// Held while a sized copy boots (`imports.rs`).
-    sizing: tokio::sync::Mutex<()>,
+    /// One lock per sized copy being booted (`imports.rs`).
+    sizing: tokio::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl HostAgent {
@@ -129,7 +129,7 @@ impl HostAgent {
                 .with_disk_reserve(&config.engine.state_dir, config.disk_reserve_mib),
             sessions: repl::Sessions::default(),
             guest_agent: config.guest_agent.clone(),
-            sizing: tokio::sync::Mutex::new(()),
+            sizing: tokio::sync::Mutex::default(),
         }))
     }
 
