@@ -172,13 +172,14 @@ impl Engine {
         final_dir: &Path,
         bar: &indicatif::ProgressBar,
     ) -> Result<Manifest> {
-        let memory_file = dir.join("memory");
-        let memory = std::fs::File::create(&memory_file)
-            .io_context(|| format!("creating {}", memory_file.display()))?;
-        memory
-            .set_len(u64::from(spec.memory_mib) << 20)
-            .io_context(|| format!("sizing {}", memory_file.display()))?;
-        drop(memory);
+        let launch = self.cold_boot_launch(
+            dir,
+            vec![artifacts.rootfs.clone()],
+            spec.vcpus,
+            spec.memory_mib,
+            artifacts,
+            cmdline,
+        )?;
         let base = Manifest {
             id: format!("tpl-{name}"),
             kind: Kind::Template,
@@ -195,29 +196,6 @@ impl Engine {
             input_hash: hash.to_string(),
             memory_sha256: None,
             created_unix_ms: now_unix_ms(),
-        };
-        let overlay = self.empty_overlay(&base)?;
-        let disk_top = dir.join("disk.qcow2");
-        std::fs::copy(&overlay, &disk_top)
-            .io_context(|| format!("creating {}", disk_top.display()))?;
-        let launch = LaunchSpec {
-            qemu: self.config.qemu.clone(),
-            accel: self.accel,
-            vcpus: spec.vcpus,
-            memory_mib: spec.memory_mib,
-            memory_file: memory_file.clone(),
-            memory_shared: true,
-            disk_layers: vec![artifacts.rootfs.clone()],
-            disk_top,
-            dir: dir.to_path_buf(),
-            boot: Boot::Kernel {
-                kernel: artifacts.kernel.clone(),
-                initramfs: artifacts.initramfs.clone(),
-                cmdline: cmdline.to_string(),
-            },
-            net_namespace: -1,
-            volume_slots: crate::volume::bake_slots(dir)?,
-            confinement: qemu::Confinement::pending(),
         };
         let booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
         bar.set_message(format!(
@@ -270,6 +248,51 @@ pub(crate) struct ColdBoot {
     pub(crate) qmp: shoal_qmp::Qmp,
     pub(crate) agent: AgentClient,
     pub(crate) boot_ms: f64,
+}
+
+impl Engine {
+    /// What a cold boot of `disk_layers` (bottom first, read-only) needs in
+    /// `dir`: a sparse memory file of `memory_mib`, mapped shared so the
+    /// boot writes it; an empty top layer; this host's kernel and initramfs.
+    pub(crate) fn cold_boot_launch(
+        &self,
+        dir: &Path,
+        disk_layers: Vec<PathBuf>,
+        vcpus: u32,
+        memory_mib: u32,
+        artifacts: &shoal_image::Artifacts,
+        cmdline: &str,
+    ) -> Result<LaunchSpec> {
+        let memory_file = dir.join("memory");
+        std::fs::File::create(&memory_file)
+            .and_then(|f| f.set_len(u64::from(memory_mib) << 20))
+            .io_context(|| format!("creating {}", memory_file.display()))?;
+        let bottom = disk_layers
+            .first()
+            .ok_or_else(|| EngineError::InvalidInput("a boot needs a disk".into()))?;
+        let disk_top = dir.join("disk.qcow2");
+        std::fs::copy(self.empty_overlay_over(bottom)?, &disk_top)
+            .io_context(|| format!("creating {}", disk_top.display()))?;
+        Ok(LaunchSpec {
+            qemu: self.config.qemu.clone(),
+            accel: self.accel,
+            vcpus,
+            memory_mib,
+            memory_file,
+            memory_shared: true,
+            disk_layers,
+            disk_top,
+            dir: dir.to_path_buf(),
+            boot: Boot::Kernel {
+                kernel: artifacts.kernel.clone(),
+                initramfs: artifacts.initramfs.clone(),
+                cmdline: cmdline.to_string(),
+            },
+            net_namespace: -1,
+            volume_slots: crate::volume::bake_slots(dir)?,
+            confinement: qemu::Confinement::pending(),
+        })
+    }
 }
 
 impl ColdBoot {
@@ -375,49 +398,14 @@ impl Engine {
         let dir = self.vm_dir(&format!("coldboot-{}", &crate::new_sandbox_id()[3..]));
         std::fs::create_dir_all(&dir).io_context(|| format!("creating {}", dir.display()))?;
         let result = async {
-            let memory_file = dir.join("memory");
-            std::fs::File::create(&memory_file)
-                .and_then(|f| f.set_len(u64::from(spec.memory_mib) << 20))
-                .io_context(|| format!("creating {}", memory_file.display()))?;
-            let probe = Manifest {
-                id: String::new(),
-                kind: Kind::Template,
-                template: name.to_string(),
-                vcpus: spec.vcpus,
-                memory_mib: spec.memory_mib,
-                memory_file: memory_file.clone(),
-                devices_file: PathBuf::new(),
-                disk_layers: vec![artifacts.rootfs.clone()],
-                depends_on: Vec::new(),
-                qemu_version: String::new(),
-                accel: self.accel,
-                kernel_version: String::new(),
-                input_hash: String::new(),
-                memory_sha256: None,
-                created_unix_ms: 0,
-            };
-            let disk_top = dir.join("disk.qcow2");
-            std::fs::copy(self.empty_overlay(&probe)?, &disk_top)
-                .io_context(|| format!("creating {}", disk_top.display()))?;
-            let launch = LaunchSpec {
-                qemu: self.config.qemu.clone(),
-                accel: self.accel,
-                vcpus: spec.vcpus,
-                memory_mib: spec.memory_mib,
-                memory_file,
-                memory_shared: true,
-                disk_layers: vec![artifacts.rootfs.clone()],
-                disk_top,
-                dir: dir.clone(),
-                boot: Boot::Kernel {
-                    kernel: artifacts.kernel.clone(),
-                    initramfs: artifacts.initramfs.clone(),
-                    cmdline: self.kernel_cmdline(),
-                },
-                net_namespace: -1,
-                volume_slots: crate::volume::bake_slots(&dir)?,
-                confinement: qemu::Confinement::pending(),
-            };
+            let launch = self.cold_boot_launch(
+                &dir,
+                vec![artifacts.rootfs.clone()],
+                spec.vcpus,
+                spec.memory_mib,
+                &artifacts,
+                &self.kernel_cmdline(),
+            )?;
             let mut booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
             kill_process_group(booted.pid);
             let _ = booted.child.wait().await;

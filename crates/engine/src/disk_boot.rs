@@ -14,7 +14,6 @@
 use crate::bake::cold_boot;
 use crate::error::{EngineError, IoContext, Result};
 use crate::manifest::{now_unix_ms, Kind, Manifest};
-use crate::qemu::{self, Boot, LaunchSpec};
 use crate::vm::with_qemu_log;
 use crate::Engine;
 use std::path::PathBuf;
@@ -124,10 +123,6 @@ impl Engine {
                 (source.disk_layers.clone(), source.disk_layers, Vec::new())
             }
         };
-        let memory_file = dir.join("memory");
-        std::fs::File::create(&memory_file)
-            .and_then(|f| f.set_len(u64::from(spec.memory_mib) << 20))
-            .io_context(|| format!("creating {}", memory_file.display()))?;
         let mut manifest = Manifest {
             id: id.to_string(),
             kind: Kind::Snapshot,
@@ -145,32 +140,14 @@ impl Engine {
             memory_sha256: None,
             created_unix_ms: now_unix_ms(),
         };
-        let probe = Manifest {
-            disk_layers: boot_layers.clone(),
-            ..manifest.clone()
-        };
-        let disk_top = dir.join("disk.qcow2");
-        std::fs::copy(self.empty_overlay(&probe)?, &disk_top)
-            .io_context(|| format!("creating {}", disk_top.display()))?;
-        let launch = LaunchSpec {
-            qemu: self.config.qemu.clone(),
-            accel: self.accel,
-            vcpus: spec.vcpus,
-            memory_mib: spec.memory_mib,
-            memory_file,
-            memory_shared: true,
-            disk_layers: boot_layers,
-            disk_top,
-            dir: dir.to_path_buf(),
-            boot: Boot::Kernel {
-                kernel: artifacts.kernel.clone(),
-                initramfs: artifacts.initramfs.clone(),
-                cmdline: self.kernel_cmdline(),
-            },
-            net_namespace: -1,
-            volume_slots: crate::volume::bake_slots(dir)?,
-            confinement: qemu::Confinement::pending(),
-        };
+        let launch = self.cold_boot_launch(
+            dir,
+            boot_layers,
+            spec.vcpus,
+            spec.memory_mib,
+            artifacts,
+            &self.kernel_cmdline(),
+        )?;
         let booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
         tracing::info!(
             snapshot = id,

@@ -600,6 +600,11 @@ impl Engine {
             .disk_layers
             .first()
             .ok_or_else(|| EngineError::InvalidInput("snapshot has no disk".into()))?;
+        self.empty_overlay_over(base)
+    }
+
+    /// [`Engine::empty_overlay`] of a chain whose bottom layer is `base`.
+    fn empty_overlay_over(&self, base: &Path) -> Result<PathBuf> {
         let size = std::fs::metadata(base)
             .io_context(|| format!("reading size of {}", base.display()))?
             .len();
