@@ -671,10 +671,12 @@ impl Job {
             },
         }
     }
+}
 
+impl Recipe {
     /// Bytes of the submission this host holds in memory until the build ends.
     fn held_bytes(&self) -> u64 {
-        match &self.recipe {
+        match self {
             Recipe::Dockerfile(recipe) => recipe.context.bytes,
             Recipe::Import(_) => 0,
         }
@@ -782,10 +784,7 @@ async fn start(
             format!("{MAX_UNFINISHED_PER_ACCOUNT} builds are already queued or running"),
         ));
     }
-    let held = match &recipe {
-        Recipe::Dockerfile(recipe) => recipe.context.bytes,
-        Recipe::Import(_) => 0,
-    };
+    let held = recipe.held_bytes();
     if cp.builds.held_bytes.fetch_add(held, Ordering::SeqCst) + held > MAX_HELD_CONTEXT_BYTES {
         cp.builds.held_bytes.fetch_sub(held, Ordering::SeqCst);
         let mut e = ApiError::new(
@@ -833,7 +832,7 @@ impl From<ApiError> for Failure {
 }
 
 pub(crate) async fn run(cp: Arc<ControlPlane>, account: Account, mut job: Job, log: Arc<LiveLog>) {
-    let held = job.held_bytes();
+    let held = job.recipe.held_bytes();
     let permit = cp.builds.slots.acquire().await;
     job.row.status = build_status::BUILDING.into();
     job.row.started_at = Some(now());
