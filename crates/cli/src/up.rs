@@ -136,6 +136,13 @@ pub struct HostArgs {
     /// The guest agent binary to install in templates (default: next to `shoal`).
     #[arg(long, env = "SHOAL_GUEST_AGENT")]
     pub guest_agent: Option<PathBuf>,
+    /// A registry tenants' template imports may pull from
+    /// (`templates.register(name, "REGISTRY/REPO:TAG")`): a host name
+    /// (HTTPS), `http://HOST:PORT` for one on this host's own network, or
+    /// `docker.io`. Repeat for more; none by default, since the host makes
+    /// the requests.
+    #[arg(long = "registry", value_name = "REGISTRY")]
+    pub registries: Vec<shoal_control::registry::Registry>,
 }
 
 #[derive(clap::Args)]
@@ -307,6 +314,7 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     let mut config = ControlConfig {
         host_name: serve.host_name,
         account_header: fleet_agent.then_some(shoal_fleet::ACCOUNT_HEADER),
+        registries: args.registries.clone(),
         ..ControlConfig::default()
     };
     config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));

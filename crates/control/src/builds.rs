@@ -725,7 +725,8 @@ pub async fn submit(
                     cpu: submission.cpu,
                     memory_mb: submission.memory_mb,
                 },
-            )?;
+            )
+            .await?;
             (Recipe::Import(recipe), key)
         }
     };

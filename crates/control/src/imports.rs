@@ -1,10 +1,12 @@
 //! Template builds from something other than a Dockerfile (issue 21): a
 //! root filesystem tarball uploaded as the SDK's `templates.build(...,
 //! rootfs_tar=...)` sends it (the multipart field `rootfs`), or an OCI
-//! image archive named by `image_ref` (`templates.register`): `docker
-//! save` output or an OCI image layout, as a tar or a directory, in this
-//! host's image archive directory (`<state dir>/image-archives/`, which the
-//! operator fills; a tenant may name only what is there).
+//! image named by `image_ref` (`templates.register`): `docker save` output
+//! or an OCI image layout, as a tar or a directory, in this host's image
+//! archive directory (`<state dir>/image-archives/`, which the operator
+//! fills; a tenant may name only what is there), or an image in a registry
+//! the operator trusts (`shoal up --registry`), pulled into an OCI layout
+//! first (`registry.rs`).
 //!
 //! The root filesystem can be any distribution: the host makes it into an
 //! ext4 disk with the static guest agent installed, boots it with this
@@ -17,12 +19,13 @@
 //! account's tier (its largest template disk), and removed when the build
 //! ends whatever happened.
 //!
-//! Owns: the upload file, the resolution of `image_ref`, the import build
-//! step. Does not own: unpacking and the disk (`shoal_image::import`), the
+//! Owns: the upload file, the resolution of `image_ref`, the pull's work
+//! directory, the import build step. Does not own: unpacking and the disk (`shoal_image::import`), the
 //! boot (`shoal_engine::disk_boot`), build rows and logs (`builds.rs`).
 
 use crate::builds::{name_or_discard, Failure, Job, LiveLog};
 use crate::error::{ApiError, ApiResult};
+use crate::registry::{ImageRef, PullError, Puller, Registry, Resolved};
 use crate::ControlPlane;
 use axum::http::StatusCode;
 use sha2::{Digest, Sha256};
@@ -38,6 +41,8 @@ const DEFAULT_DISK_MIB: u32 = 1024;
 const MIN_DISK_MIB: u32 = 64;
 /// The smallest VM an import may ask for.
 const MIN_MEMORY_MIB: u32 = 128;
+/// The longest a registry pull may take, whole.
+const PULL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30 * 60);
 
 /// An uploaded root filesystem tarball on this host's disk; removed when
 /// dropped.
@@ -111,9 +116,30 @@ pub(crate) async fn receive(
     Ok(upload)
 }
 
+/// Where a pull writes its OCI layout; removed when dropped.
+struct PullDir(PathBuf);
+
+impl Drop for PullDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What an import unpacks.
+enum Origin {
+    /// A file on this host: an upload or an operator's archive.
+    Local(ImportSource),
+    /// An image in a trusted registry, resolved to its manifest at submission.
+    Registry {
+        registry: Registry,
+        repository: String,
+        image: Resolved,
+    },
+}
+
 /// An import, checked and ready to run.
 pub(crate) struct ImportRecipe {
-    source: ImportSource,
+    origin: Origin,
     /// Kept (and so on disk) until the build ends.
     _upload: Option<Upload>,
     what: String,
@@ -132,8 +158,9 @@ pub(crate) struct ImportRequest {
 }
 
 /// Checks an import request (4xx for anything wrong, before anything
-/// runs) and returns the recipe and its cache key.
-pub(crate) fn recipe(
+/// runs; a registry reference is resolved to its manifest's digest) and
+/// returns the recipe and its cache key.
+pub(crate) async fn recipe(
     cp: &ControlPlane,
     account: &Account,
     request: ImportRequest,
@@ -166,7 +193,7 @@ pub(crate) fn recipe(
             base.vcpus, base.memory_mib
         )));
     }
-    let (source, upload, what, identity) = match (request.rootfs, request.image_ref) {
+    let (origin, upload, what, identity) = match (request.rootfs, request.image_ref) {
         (Some(_), Some(_)) => {
             return Err(ApiError::bad_request(
                 "send one of rootfs and image_ref, not both",
@@ -176,22 +203,45 @@ pub(crate) fn recipe(
             let what = format!("the uploaded root filesystem ({} bytes)", upload.bytes);
             let identity = format!("rootfs:{}", upload.sha256);
             (
-                ImportSource::RootfsTar(upload.path.clone()),
+                Origin::Local(ImportSource::RootfsTar(upload.path.clone())),
                 Some(upload),
                 what,
                 identity,
             )
         }
-        (None, Some(reference)) => {
-            let archive = resolve_image_ref(cp, &reference)?;
-            let identity = archive_identity(&archive);
-            (
-                ImportSource::OciArchive(archive),
-                None,
-                format!("the image archive {reference}"),
-                identity,
-            )
-        }
+        (None, Some(reference)) => match resolve_image_ref(cp, &reference)? {
+            Named::Archive(archive) => {
+                let identity = archive_identity(&archive);
+                (
+                    Origin::Local(ImportSource::OciArchive(archive)),
+                    None,
+                    format!("the image archive {reference}"),
+                    identity,
+                )
+            }
+            Named::Image(registry, image_ref) => {
+                let mut puller = Puller::new(&registry, &image_ref.repository)
+                    .map_err(|e| pull_error(&reference, e))?;
+                let image = puller
+                    .resolve(&image_ref.reference)
+                    .await
+                    .map_err(|e| pull_error(&reference, e))?;
+                let identity = format!(
+                    "registry:{}/{}@{}",
+                    registry.name, image_ref.repository, image.digest
+                );
+                (
+                    Origin::Registry {
+                        registry,
+                        repository: image_ref.repository,
+                        image,
+                    },
+                    None,
+                    format!("the image {reference}"),
+                    identity,
+                )
+            }
+        },
         (None, None) => return Err(ApiError::bad_request("dockerfile is required")),
     };
     let mut hasher = Sha256::new();
@@ -208,7 +258,7 @@ pub(crate) fn recipe(
     }
     Ok((
         ImportRecipe {
-            source,
+            origin,
             _upload: upload,
             what,
             disk_mib,
@@ -219,24 +269,57 @@ pub(crate) fn recipe(
     ))
 }
 
-/// The archive `reference` names, inside this host's image archive
-/// directory (`oci-archive:` and `docker-archive:` prefixes allowed).
-/// Anything else, registry references included, is a 422 that says what
-/// works.
-fn resolve_image_ref(cp: &ControlPlane, reference: &str) -> ApiResult<PathBuf> {
+/// What an `image_ref` names.
+enum Named {
+    Archive(PathBuf),
+    Image(Registry, ImageRef),
+}
+
+/// A pull's failure as the submission's answer: the tenant's to fix (422)
+/// or the registry's (502).
+fn pull_error(reference: &str, e: PullError) -> ApiError {
+    match e {
+        PullError::Refused(why) => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("image_ref {reference:?}: {why}"),
+        ),
+        PullError::Registry(why) => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("image_ref {reference:?}: {why}"),
+        ),
+    }
+}
+
+/// What `reference` names: an archive inside this host's image archive
+/// directory (`oci-archive:` and `docker-archive:` prefixes allowed), or
+/// an image in one of the registries the operator trusts. Anything else is
+/// a 422 that says what works.
+fn resolve_image_ref(cp: &ControlPlane, reference: &str) -> ApiResult<Named> {
     let dir = image_archive_dir(cp);
-    let path = reference
+    let prefixed = reference
         .strip_prefix("oci-archive:")
-        .or_else(|| reference.strip_prefix("docker-archive:"))
-        .unwrap_or(reference);
+        .or_else(|| reference.strip_prefix("docker-archive:"));
+    let path = prefixed.unwrap_or(reference);
+    let registries = &cp.config.registries;
+    let trusted = || {
+        if registries.is_empty() {
+            "this host pulls from no registry (its operator names them with `shoal up --registry`)"
+                .to_owned()
+        } else {
+            let names: Vec<&str> = registries.iter().map(|r| r.name.as_str()).collect();
+            format!("this host pulls from {}", names.join(", "))
+        }
+    };
     let not_here = || {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
                 "image_ref {reference:?} names no image archive in this host's archive directory \
-                 ({}); save the image there (`docker save`, or an OCI layout) and name it by its \
-                 file name. Pulling from a registry is not supported yet",
-                dir.display()
+                 ({}) and no image in a registry it pulls from: save the image there (`docker \
+                 save`, or an OCI layout) and name it by its file name, or name an image in a \
+                 registry; {}",
+                dir.display(),
+                trusted()
             ),
         )
     };
@@ -248,12 +331,32 @@ fn resolve_image_ref(cp: &ControlPlane, reference: &str) -> ApiResult<PathBuf> {
     } else {
         dir.join(path)
     };
-    let resolved = candidate.canonicalize().map_err(|_| not_here())?;
-    let top = dir.canonicalize().map_err(|_| not_here())?;
-    if !resolved.starts_with(&top) || resolved == top {
+    let archive = candidate.canonicalize().ok().and_then(|resolved| {
+        let top = dir.canonicalize().ok()?;
+        (resolved.starts_with(&top) && resolved != top).then_some(resolved)
+    });
+    if let Some(archive) = archive {
+        return Ok(Named::Archive(archive));
+    }
+    if prefixed.is_some() || Path::new(path).is_absolute() {
         return Err(not_here());
     }
-    Ok(resolved)
+    let Some(image) = ImageRef::parse(reference) else {
+        return Err(not_here());
+    };
+    match registries.iter().find(|r| r.name == image.registry) {
+        Some(registry) => Ok(Named::Image(registry.clone(), image)),
+        None => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "image_ref {reference:?} is in the registry {}, which {}; and no archive of that \
+                 name is in this host's archive directory ({})",
+                image.registry,
+                trusted().replace("this host", "this host does not pull from: it"),
+                dir.display()
+            ),
+        )),
+    }
 }
 
 /// What identifies an archive's content for the cache: its path, size and
@@ -285,6 +388,49 @@ pub(crate) async fn build(
         .check_snapshot_quota(account, &limits)
         .await
         .map_err(ApiError::from)?;
+    // Held until the import has unpacked it.
+    let mut _pulled = None;
+    let source = match &recipe.origin {
+        Origin::Local(source) => source.clone(),
+        Origin::Registry {
+            registry,
+            repository,
+            image,
+        } => {
+            let dir = PullDir(
+                cp.host
+                    .engine()
+                    .state_dir()
+                    .join("pulls")
+                    .join(format!("{:016x}", rand::random::<u64>())),
+            );
+            log.line(&format!(
+                "pulling {}/{repository}@{} ({} layer(s), {} KiB)",
+                registry.name,
+                image.digest,
+                image.layers.len(),
+                image.declared_bytes().div_ceil(1024)
+            ));
+            let mut puller =
+                Puller::new(registry, repository).map_err(|e| Failure(e.to_string()))?;
+            let progress = |line: String| log.line(&line);
+            tokio::time::timeout(
+                PULL_DEADLINE,
+                puller.pull(image, &dir.0, u64::from(recipe.disk_mib) << 20, &progress),
+            )
+            .await
+            .map_err(|_| {
+                Failure(format!(
+                    "the pull took over {} minutes",
+                    PULL_DEADLINE.as_secs() / 60
+                ))
+            })?
+            .map_err(|e| Failure(e.to_string()))?;
+            let source = ImportSource::OciArchive(dir.0.clone());
+            _pulled = Some(dir);
+            source
+        }
+    };
     log.line(&format!(
         "importing {}: unpacking into a {} MiB disk with the guest agent",
         recipe.what, recipe.disk_mib
@@ -292,7 +438,7 @@ pub(crate) async fn build(
     let (manifest, report) = cp
         .host
         .import_snapshot(ImportSpec {
-            source: recipe.source.clone(),
+            source,
             disk_mib: recipe.disk_mib,
             vcpus: recipe.vcpus,
             memory_mib: recipe.memory_mib,

@@ -23,6 +23,7 @@ mod imports;
 mod lifecycle;
 mod meta;
 mod proxy;
+pub mod registry;
 mod repl;
 mod runner;
 mod sandboxes;
@@ -64,6 +65,9 @@ pub struct ControlConfig {
     pub lifecycle: LifecycleConfig,
     pub sweeps: RunnerConfig,
     pub apps: AppsConfig,
+    /// The registries template imports may pull from (`shoal up
+    /// --registry`); none by default.
+    pub registries: Vec<registry::Registry>,
 }
 
 impl Default for ControlConfig {
@@ -86,6 +90,7 @@ impl Default for ControlConfig {
             lifecycle: LifecycleConfig::default(),
             sweeps: RunnerConfig::default(),
             apps: AppsConfig::default(),
+            registries: Vec::new(),
         }
     }
 }

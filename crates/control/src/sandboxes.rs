@@ -316,7 +316,7 @@ pub(crate) async fn create_sandbox(
             }
             None => {
                 let name = body.template.unwrap_or_else(|| "code-interpreter".into());
-                let resolved = cp.template_source(&account, &name).await?;
+                let resolved = cp.template_source(account, &name).await?;
                 (resolved.source, name, "restore")
             }
         },
@@ -350,11 +350,11 @@ pub(crate) async fn create_sandbox(
     // held in a way this cannot share (409) leaves nothing behind.
     let mut row = cp
         .store
-        .admit_sandbox_with_volumes(&account, &new, &cp.limits(account.tier), &volumes, now())
+        .admit_sandbox_with_volumes(account, &new, &cp.limits(account.tier), &volumes, now())
         .await?;
     let options = CreateOptions {
         allow_internet: body.allow_internet.unwrap_or(true),
-        volumes: cp.attachments(&account, &volumes),
+        volumes: cp.attachments(account, &volumes),
     };
     let sized = match cp.host.sized(&source, size.vcpus, size.memory_mib).await {
         Ok(sized) => sized,
