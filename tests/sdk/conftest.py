@@ -209,11 +209,95 @@ def _no_retry_budget_from_environment() -> Iterator[None]:
         os.environ["PANDASTACK_MAX_CREATE_RETRY_SECONDS"] = saved
 
 
+class Registry:
+    """Debian's `docker-registry` (the CNCF distribution registry) on a free
+    port of 127.0.0.1, in its own process group, storing under the temp dir."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        root = tmp_root() / "registry"
+        root.mkdir(parents=True, exist_ok=True)
+        self.config = root / "config.yml"
+        self.config.write_text(
+            "version: 0.1\n"
+            "log:\n  level: warn\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
+            f"http:\n  addr: {self.address}\n"
+        )
+        self.log_path = tmp_root() / "registry.log"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        binary = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [binary, "serve", str(self.config)], stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"docker-registry exited with {self.proc.returncode}: "
+                                   f"{self.log_path.read_text()[-2000:]}")
+            try:
+                if requests.get(f"{self.url}/v2/", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"docker-registry did not answer: {self.log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=STOP_GRACE_SECONDS)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def push(self, repository: str, tag: str, blobs: dict, manifest: bytes, media_type: str) -> None:
+        """Pushes `blobs` ({sha256 hex: bytes}) and `manifest` under `tag`,
+        as `docker push` does, over the distribution API."""
+        for digest, data in blobs.items():
+            started = requests.post(f"{self.url}/v2/{repository}/blobs/uploads/", timeout=30)
+            assert started.status_code == 202, started.text
+            location = started.headers["Location"]
+            if location.startswith("/"):
+                location = self.url + location
+            sep = "&" if "?" in location else "?"
+            done = requests.put(f"{location}{sep}digest=sha256:{digest}", data=data, timeout=60,
+                                headers={"Content-Type": "application/octet-stream"})
+            assert done.status_code == 201, done.text
+        put = requests.put(f"{self.url}/v2/{repository}/manifests/{tag}", data=manifest, timeout=30,
+                           headers={"Content-Type": media_type})
+        assert put.status_code == 201, put.text
+
+
 @pytest.fixture(scope="session")
-def shoal() -> Iterator[ShoalServer]:
-    """The main server: `shoal up` with the state dir and database from the environment."""
+def registry() -> Iterator[Registry]:
+    """A real image registry that the main server trusts (`--registry`)."""
+    served = Registry()
+    served.start()
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="session")
+def shoal(registry: Registry) -> Iterator[ShoalServer]:
+    """The main server: `shoal up` with the state dir and database from the environment,
+    pulling template images from the test's registry."""
     database_url = os.environ.get("SHOAL_DATABASE_URL") or sqlite_url(tmp_root() / "shoal.db")
-    server = ShoalServer("shoal-main", _state_dir(""), database_url)
+    server = ShoalServer("shoal-main", _state_dir(""), database_url,
+                         extra_args=("--registry", registry.url))
     server.start()
     yield server
     server.stop()

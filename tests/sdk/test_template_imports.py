@@ -1,12 +1,14 @@
 """Templates from a root filesystem tarball (`templates.build(...,
-rootfs_tar=...)`) and from an OCI image archive (`templates.register(name,
-image_ref)`), through the SDK's own calls, on real VMs (issue 21).
+rootfs_tar=...)`), from an OCI image archive and from an image in a real
+registry the host trusts (`templates.register(name, image_ref)`), through
+the SDK's own calls, on real VMs (issue 21).
 
 Neither root filesystem is Debian: both are a busybox made in the test, so
 the guest agent that runs them must be the static one. A sandbox of each
 runs `exec`; the OCI image's whiteouts, `Env` and `WorkingDir` hold. Hostile
 inputs (an entry that leaves the root, a disk over the tier's limit, an
-archive outside the host's archive directory, a registry reference) fail
+archive outside the host's archive directory, a registry the host does not
+trust, a tag the registry lacks) fail
 with what was wrong and leave no template or snapshot."""
 
 import gzip
@@ -56,9 +58,11 @@ def _tar_bytes(fill, gz=False):
     return gzip.compress(data) if gz else data
 
 
-def _oci_archive(path):
-    """An OCI image layout, as a tar: busybox below, a layer above that adds
-    /work/hello.txt and whites out /etc/motd; Env and WorkingDir set."""
+def _oci_image():
+    """An OCI image: busybox below, a layer above that adds /work/hello.txt
+    and whites out /etc/motd; Env and WorkingDir set. Returns its blobs
+    ({sha256 hex: bytes}, the manifest among them), its manifest's
+    descriptor and its index (one linux/amd64 manifest)."""
     blobs = {}
 
     def blob(data):
@@ -86,9 +90,15 @@ def _oci_archive(path):
         "layers": [dict(lower, mediaType="application/vnd.oci.image.layer.v1.tar+gzip"),
                    dict(upper, mediaType="application/vnd.oci.image.layer.v1.tar")],
     }).encode())
-    index = {"schemaVersion": 2, "manifests": [dict(
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [dict(
         manifest, mediaType="application/vnd.oci.image.manifest.v1+json",
         platform={"architecture": "amd64", "os": "linux"})]}
+    return blobs, manifest, index
+
+
+def _oci_archive(path):
+    """The image of `_oci_image` as an OCI image layout in a tar."""
+    blobs, _, index = _oci_image()
     with tarfile.open(path, "w") as tar:
         _add(tar, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
         _add(tar, "index.json", json.dumps(index).encode())
@@ -153,6 +163,55 @@ def test_an_oci_image_archive_becomes_a_template_with_its_layers_and_config(shoa
         ], out.stdout
     finally:
         sandbox.kill()
+
+
+def test_an_image_in_a_trusted_registry_is_pulled_and_becomes_a_template(shoal, registry, make_account):
+    """The image of the archive test, pushed to a real registry (Debian's
+    docker-registry) under an index tag, and named by reference."""
+    owner = make_account("team", "imports-registry")
+    client = shoal.client(owner.token)
+    blobs, manifest, index = _oci_image()
+    manifests = {d: b for d, b in blobs.items() if f"sha256:{d}" == manifest["digest"]}
+    layers = {d: b for d, b in blobs.items() if d not in manifests}
+    registry.push("lab/tiny", manifest["digest"], layers, manifests[manifest["digest"][7:]],
+                  "application/vnd.oci.image.manifest.v1+json")
+    registry.push("lab/tiny", "v1", {}, json.dumps(index).encode(),
+                  "application/vnd.oci.image.index.v1+json")
+    reference = f"{registry.address}/lab/tiny:v1"
+
+    build = client.templates.register("tiny-pulled", reference, size_mb=256)
+    build = client.templates.wait_for_build(build.id, poll_interval=0.5, timeout_seconds=600)
+    log = list(client.templates.build_logs(build.id, follow=False))
+    assert build.status == "done", (build, log)
+    assert any(manifest["digest"] in line for line in log), log
+    assert sum("pulling layer" in line for line in log) == 2, log
+
+    sandbox = client.sandboxes.create(template="tiny-pulled")
+    try:
+        out = sandbox.exec('pwd; echo "$GREETING"; cat hello.txt; test -e /etc/motd && echo motd || echo whited-out')
+        assert out.stdout.splitlines() == [
+            "/work", "from-the-image-config", "from the upper layer", "whited-out",
+        ], out.stdout
+    finally:
+        sandbox.kill()
+
+    # The tag still names the same manifest: a cache hit, nothing pulled.
+    again = client.templates.register("tiny-pulled", reference, size_mb=256)
+    again = client.templates.wait_for_build(again.id, poll_interval=0.5, timeout_seconds=120)
+    again_log = list(client.templates.build_logs(again.id, follow=False))
+    assert again.status == "done" and any("cache hit" in l for l in again_log), again_log
+    assert not any("pulling" in l for l in again_log), again_log
+
+    # A tag the registry lacks, and a registry this host was not told to trust.
+    for ref, why in [
+        (f"{registry.address}/lab/tiny:missing", "manifest unknown"),
+        (f"{registry.address}/lab/absent:v1", "lab/absent"),
+        ("127.0.0.2:5000/lab/tiny:v1", "does not pull from"),
+    ]:
+        with pytest.raises(PandastackError) as refused:
+            client.templates.register("nope", ref)
+        assert why in str(refused.value), (ref, refused.value)
+    assert sorted(t.name for t in client.templates.list() if not t.is_global) == ["tiny-pulled"]
 
 
 def test_hostile_imports_fail_with_the_reason_and_leave_nothing(shoal, make_account, tmp_path):
