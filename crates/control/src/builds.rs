@@ -1493,9 +1493,11 @@ pub(crate) async fn fail_abandoned(cp: &ControlPlane) {
         Ok(n) => tracing::warn!(builds = n, "failed the builds a restart interrupted"),
         Err(e) => tracing::error!(error = %e, "failing interrupted builds"),
     }
-    // Their uploads and half-made import disks have no build left to use them.
+    // Their uploads, pulled layouts and half-made import disks have no
+    // build left to use them.
     for dir in [
         crate::imports::uploads_dir(cp),
+        crate::imports::pulls_dir(cp),
         cp.host.engine().state_dir().join("imports"),
     ] {
         let _ = std::fs::remove_dir_all(&dir);

@@ -63,6 +63,11 @@ pub(crate) fn uploads_dir(cp: &ControlPlane) -> PathBuf {
     cp.host.engine().state_dir().join("uploads")
 }
 
+/// Where registry pulls write their OCI layouts until the import unpacks them.
+pub(crate) fn pulls_dir(cp: &ControlPlane) -> PathBuf {
+    cp.host.engine().state_dir().join("pulls")
+}
+
 /// Where the operator leaves image archives a tenant may name.
 pub(crate) fn image_archive_dir(cp: &ControlPlane) -> PathBuf {
     cp.host.engine().state_dir().join("image-archives")
@@ -397,13 +402,7 @@ pub(crate) async fn build(
             repository,
             image,
         } => {
-            let dir = PullDir(
-                cp.host
-                    .engine()
-                    .state_dir()
-                    .join("pulls")
-                    .join(format!("{:016x}", rand::random::<u64>())),
-            );
+            let dir = PullDir(pulls_dir(cp).join(format!("{:016x}", rand::random::<u64>())));
             log.line(&format!(
                 "pulling {}/{repository}@{} ({} layer(s), {} KiB)",
                 registry.name,
