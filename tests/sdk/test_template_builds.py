@@ -352,3 +352,32 @@ def test_a_changed_build_reuses_its_unchanged_prefix(shoal, make_account):
     build = other.templates.wait_for_build(build.id, poll_interval=0.5, timeout_seconds=600)
     log = list(other.templates.build_logs(build.id, follow=False))
     assert build.status == "done" and "slow-step-ran" in log, log
+
+
+def test_a_dockerfile_from_another_debian_release_runs_on_that_release(shoal, make_account):
+    """`FROM debian:trixie`: the host bootstraps Debian 13 itself (once; the
+    template debian-trixie), and the build and its sandboxes run on it."""
+    owner = make_account("team", "builds-trixie")
+    client = shoal.client(owner.token)
+    dockerfile = "FROM debian:trixie\nRUN cat /etc/debian_version > /etc/built-on\n"
+    build = client.templates.build_from_dockerfile("on-trixie", dockerfile)
+    build = client.templates.wait_for_build(build.id, poll_interval=1, timeout_seconds=1800)
+    log = list(client.templates.build_logs(build.id, follow=False))
+    assert build.status == "done", (build, log)
+
+    sandbox = client.sandboxes.create(template="on-trixie")
+    try:
+        out = sandbox.exec(". /etc/os-release; echo $VERSION_CODENAME; cat /etc/built-on")
+        codename, built_on = out.stdout.split()
+        assert codename == "trixie" and built_on.startswith("13"), out.stdout
+    finally:
+        sandbox.kill()
+    # Baked once: it is listed, and the same build again is a cache hit.
+    assert "debian-trixie" in [t.name for t in client.templates.list() if t.is_global]
+    again = client.templates.build_from_dockerfile("on-trixie", dockerfile)
+    again = client.templates.wait_for_build(again.id, poll_interval=0.5, timeout_seconds=120)
+    assert any("cache hit" in l for l in client.templates.build_logs(again.id, follow=False))
+
+    with pytest.raises(PandastackError) as unknown:
+        client.templates.build_from_dockerfile("old", "# an old release\nFROM debian:buster\n")
+    assert "line 2" in str(unknown.value) and "bullseye" in str(unknown.value), unknown.value

@@ -77,8 +77,9 @@ const FILE_DEADLINE: Duration = Duration::from_secs(120);
 /// A build's log: its last 256 KiB, lines cut at 4 KiB.
 const MAX_LOG_BYTES: usize = 256 << 10;
 const MAX_LINE_BYTES: usize = 4096;
-/// The only Debian release this host bootstraps: its `base` template.
-const BOOTSTRAPPED_RELEASE: &str = "bookworm";
+/// The Debian release of this host's `base` template; other releases are
+/// `shoal_image::release_template`s, baked when a build first asks.
+const BOOTSTRAPPED_RELEASE: &str = shoal_image::SUITE;
 /// Where the guest agent reads the image's exec defaults.
 const EXEC_DEFAULTS: &str = "/etc/shoal/exec.json";
 
@@ -543,6 +544,14 @@ struct ResolvedBase {
     identity: String,
     vcpus: u32,
     memory_mib: u64,
+    /// Another Debian release's template this host has not baked yet: the
+    /// build bakes it first, then knows its identity.
+    unbaked_release: bool,
+}
+
+/// The identity of a first-party (or release) template as baked here.
+fn baked_identity(name: &str, manifest: &shoal_host::Manifest) -> String {
+    format!("template:{name}:{}:{}", manifest.id, manifest.input_hash)
 }
 
 async fn resolve_base(
@@ -555,12 +564,27 @@ async fn resolve_base(
     let template = match &parsed.base {
         Base::Template(name) => name.clone(),
         Base::Debian(release) if release == BOOTSTRAPPED_RELEASE => "base".to_owned(),
-        Base::Debian(release) => {
-            return Err(ApiError::bad_request(format!(
-                "Dockerfile line {line}: FROM debian:{release}: this host bootstraps Debian \
-                 {BOOTSTRAPPED_RELEASE} (the base template) only"
-            )))
-        }
+        Base::Debian(release) => match shoal_image::release_template(release) {
+            Some(spec) => {
+                if cp.host.engine().template(&spec.name).is_err() {
+                    return Ok(ResolvedBase {
+                        identity: format!("unbaked:{}", spec.name),
+                        template: spec.name,
+                        vcpus: spec.vcpus,
+                        memory_mib: u64::from(spec.memory_mib),
+                        unbaked_release: true,
+                    });
+                }
+                spec.name
+            }
+            None => {
+                return Err(ApiError::bad_request(format!(
+                    "Dockerfile line {line}: FROM debian:{release}: this host bootstraps Debian \
+                     {BOOTSTRAPPED_RELEASE}, {}",
+                    shoal_image::OTHER_DEBIAN_RELEASES.join(" and ")
+                )))
+            }
+        },
     };
     let unknown = || {
         ApiError::bad_request(format!(
@@ -586,7 +610,7 @@ async fn resolve_base(
         Source::Template(name) => {
             let manifest = cp.host.engine().template(name).map_err(|_| unknown())?;
             (
-                format!("template:{name}:{}:{}", manifest.id, manifest.input_hash),
+                baked_identity(name, &manifest),
                 (manifest.vcpus, manifest.memory_mib),
             )
         }
@@ -596,6 +620,7 @@ async fn resolve_base(
         identity,
         vcpus: manifest_size.0,
         memory_mib: u64::from(manifest_size.1),
+        unbaked_release: false,
     })
 }
 
@@ -749,18 +774,59 @@ async fn dockerfile_recipe(
     }
     let base = resolve_base(cp, account, &parsed, &text).await?;
     let size = template_size(submission.cpu, submission.memory_mb, &base)?;
-    let identity = format!("{}:{}:{}", base.identity, size.vcpus, size.memory_mib);
-    let key = cache_key(&identity, &text, &submission.context);
-    Ok((
-        Recipe::Dockerfile(DockerfileRecipe {
-            text,
-            parsed,
-            context: submission.context,
-            base,
-            size,
-        }),
-        key,
-    ))
+    let recipe = DockerfileRecipe {
+        text,
+        parsed,
+        context: submission.context,
+        base,
+        size,
+    };
+    let key = recipe.cache_key();
+    Ok((Recipe::Dockerfile(recipe), key))
+}
+
+impl DockerfileRecipe {
+    /// The base (as baked here), the size, the Dockerfile and the context.
+    fn cache_key(&self) -> String {
+        let identity = format!(
+            "{}:{}:{}",
+            self.base.identity, self.size.vcpus, self.size.memory_mib
+        );
+        cache_key(&identity, &self.text, &self.context)
+    }
+}
+
+/// Bakes the Debian release the build's `FROM` names when this host has
+/// not yet (once per host: debootstrap and a bake, minutes), and gives the
+/// build the cache key of the baked base, which later builds will compute.
+async fn bake_release_base(cp: &ControlPlane, job: &mut Job, log: &LiveLog) -> Result<(), Failure> {
+    let Recipe::Dockerfile(recipe) = &mut job.recipe else {
+        return Ok(());
+    };
+    if !recipe.base.unbaked_release {
+        return Ok(());
+    }
+    let name = recipe.base.template.clone();
+    log.line(&format!(
+        "bootstrapping {name} on this host (once: debootstrap, then a bake; minutes)"
+    ));
+    let started = std::time::Instant::now();
+    let manifest = cp.host.bake_release_template(&name).await.map_err(|e| {
+        Failure(format!(
+            "bootstrapping {name}: {}",
+            ApiError::from(e).message
+        ))
+    })?;
+    log.line(&format!(
+        "{name} is baked ({} vCPUs, {} MiB) in {:.0} s",
+        manifest.vcpus,
+        manifest.memory_mib,
+        started.elapsed().as_secs_f64()
+    ));
+    recipe.base.identity = baked_identity(&name, &manifest);
+    recipe.base.unbaked_release = false;
+    job.row.cache_key = Some(recipe.cache_key());
+    Ok(())
 }
 
 /// Records a checked build as queued and starts it (it waits for one of
@@ -840,7 +906,11 @@ pub(crate) async fn run(cp: Arc<ControlPlane>, account: Account, mut job: Job, l
     if let Err(e) = cp.store.update_build(&job.row).await {
         tracing::error!(build = job.row.id, error = %e, "recording a build's start");
     }
-    let outcome = match cached(&cp, &account, &job, &log).await {
+    let hit = match bake_release_base(&cp, &mut job, &log).await {
+        Ok(()) => cached(&cp, &account, &job, &log).await,
+        Err(e) => Err(e),
+    };
+    let outcome = match hit {
         Ok(Some(snapshot)) => {
             job.row.cache_hit = true;
             Ok(snapshot)

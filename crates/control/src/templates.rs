@@ -38,8 +38,8 @@ fn first_party_json(cp: &ControlPlane, name: &str) -> Option<Value> {
         "cpu": spec.vcpus,
         "memory_mb": spec.memory_mib,
         "is_global": true,
-        "base": "debian-bookworm",
-        "description": format!("Debian bookworm with {}", spec.packages.join(", ")),
+        "base": format!("debian-{}", spec.suite),
+        "description": format!("Debian {} with {}", spec.suite, spec.packages.join(", ")),
     }))
 }
 
@@ -80,8 +80,13 @@ fn published_json(cp: &ControlPlane, row: &TemplateRow) -> Value {
 }
 
 pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Value>> {
-    let mut items: Vec<Value> = shoal_image::first_party_templates()
+    // Other Debian releases' templates are listed once this host baked them.
+    let releases = shoal_image::OTHER_DEBIAN_RELEASES
         .iter()
+        .filter_map(|release| shoal_image::release_template(release));
+    let mut items: Vec<Value> = shoal_image::first_party_templates()
+        .into_iter()
+        .chain(releases)
         .filter_map(|spec| first_party_json(&cp, &spec.name))
         .collect();
     let own = cp.store.list_templates(account.id).await?;

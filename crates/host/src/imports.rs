@@ -95,6 +95,29 @@ impl HostAgent {
         result
     }
 
+    /// Bakes the template `name` of another Debian release
+    /// (`shoal_image::release_template`), which `shoal up` does not bake at
+    /// start: debootstrap once per cache, then the bake, in a capacity slot
+    /// of the template's size. Quick when it is already baked.
+    pub async fn bake_release_template(&self, name: &str) -> Result<Manifest> {
+        let spec = shoal_image::find_template(name)
+            .filter(|spec| spec.suite != shoal_image::SUITE)
+            .ok_or_else(|| {
+                HostError::Invalid(format!("{name} is not another Debian release's template"))
+            })?;
+        let agent = self.guest_agent.clone().ok_or_else(|| {
+            HostError::Invalid("this host has no guest agent to bake into templates".into())
+        })?;
+        self.capacity.check_disk()?;
+        let _slot = self.reserve(1, spec.memory_mib).await?;
+        let hidden =
+            shoal_engine::BakeProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
+        let manifest = self.engine.build_template(name, &agent, &hidden).await?;
+        // Hashed now, as at start, so the first restore does not pay for it.
+        self.engine.verified_template(name)?;
+        Ok(manifest)
+    }
+
     /// Boots `spec.disk` at `spec`'s size in a capacity slot of that size
     /// and saves it as a user snapshot.
     pub async fn boot_disk(&self, spec: DiskBootSpec) -> Result<Manifest> {

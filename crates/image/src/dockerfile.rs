@@ -593,12 +593,13 @@ fn base_of(line: usize, image: &str) -> Result<Base, DockerfileError> {
         .strip_prefix("library/")
         .unwrap_or(name);
     if name == "debian" {
-        let tag = tag.unwrap_or("bookworm");
+        // As Docker Hub's tags name them on 2026-12-05: stable is 13.
+        let tag = tag.unwrap_or("latest");
         let release = tag.split('-').next().unwrap_or(tag);
         let code = match release {
-            "12" | "bookworm" | "stable" | "latest" => "bookworm",
-            "11" | "bullseye" => "bullseye",
-            "13" | "trixie" => "trixie",
+            "12" | "bookworm" | "oldstable" => "bookworm",
+            "11" | "bullseye" | "oldoldstable" => "bullseye",
+            "13" | "trixie" | "stable" | "latest" => "trixie",
             _ => {
                 return refuse(
                     line,
@@ -945,6 +946,11 @@ mod tests {
             Ok(Base::Debian("bookworm".into()))
         );
         assert_eq!(base("debian:12"), Ok(Base::Debian("bookworm".into())));
+        assert_eq!(base("debian"), Ok(Base::Debian("trixie".into())));
+        assert_eq!(
+            base("debian:stable-slim"),
+            Ok(Base::Debian("trixie".into()))
+        );
         assert_eq!(
             base("docker.io/library/debian:bullseye"),
             Ok(Base::Debian("bullseye".into()))

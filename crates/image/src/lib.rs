@@ -92,7 +92,10 @@ pub use rootfs::{
     build_base, build_rootfs_image, install_agent, make_ext4_image, BaseInfo, BaseLayer, ImageInfo,
     ImageLayer, AGENT_PATH_IN_GUEST, ROOTFS_LABEL, SUITE,
 };
-pub use templates::{find_template, first_party_templates, valid_template_name, TemplateSpec};
+pub use templates::{
+    find_template, first_party_templates, release_template, valid_template_name, TemplateSpec,
+    OTHER_DEBIAN_RELEASES,
+};
 pub use tsc::host_tsc_khz;
 
 /// Version of the builder as a whole; part of every template's input hash.
@@ -216,7 +219,7 @@ pub fn input_hash(
         .field("kernel-package", &kernel.name)
         .field("kernel-version", &kernel.version)
         .field("initramfs", initramfs_sha256)
-        .field("suite", SUITE)
+        .field("suite", &spec.suite)
         .field(
             "packages",
             rootfs::normalized_packages(&spec.packages).join(","),
@@ -248,7 +251,7 @@ pub fn build(spec: &TemplateSpec, opts: &BuildOptions) -> Result<Artifacts, Imag
     let pkg = kernel::resolve_kernel_package_cached(&images)?;
     let (kernel, r1) = build_kernel(&images, &pkg, &opts.progress)?;
     let (initramfs, r2) = build_initramfs(&images, &kernel, &opts.progress)?;
-    let (base, r3) = build_base(&images, &spec.packages, &opts.progress)?;
+    let (base, r3) = build_base(&images, &spec.suite, &spec.packages, &opts.progress)?;
     let agent_sha = cache::sha256_file_cached(&images, opts.guest_agent)?;
     let (image, r4) = build_rootfs_image(
         &images,

@@ -28,7 +28,7 @@ use crate::host;
 use crate::progress::{Step, StepReport};
 use crate::templates::TemplateSpec;
 
-/// The Debian release every guest runs.
+/// The Debian release the first-party templates run.
 pub const SUITE: &str = "bookworm";
 /// Where the guest agent lives in the guest (what /init execs).
 pub const AGENT_PATH_IN_GUEST: &str = "usr/local/sbin/shoal-guest-agent";
@@ -103,10 +103,10 @@ pub fn normalized_packages(packages: &[String]) -> Vec<String> {
 /// Cache key of the debootstrapped tree: suite, packages, builder version.
 /// Deliberately not the mirror (any mirror serves the same archive) and
 /// not the guest agent (changing it must not re-run debootstrap).
-pub fn base_key(packages: &[String]) -> String {
+pub fn base_key(suite: &str, packages: &[String]) -> String {
     KeyBuilder::new(BASE)
         .field("layer-version", BASE_LAYER_VERSION)
-        .field("suite", SUITE)
+        .field("suite", suite)
         .field("variant", "minbase")
         .field("packages", normalized_packages(packages).join(","))
         .finish()
@@ -124,24 +124,26 @@ pub fn image_key(base_key: &str, agent_sha256: &str, spec: &TemplateSpec) -> Str
         .finish()
 }
 
-/// Returns the cached debootstrapped tree for `packages`, building it if needed.
+/// Returns the cached debootstrapped tree of Debian `suite` with
+/// `packages`, building it if needed.
 pub fn build_base(
     images_dir: &Path,
+    suite: &str,
     packages: &[String],
     progress: &MultiProgress,
 ) -> Result<(BaseLayer, StepReport), ImageError> {
     let packages = normalized_packages(packages);
-    let key = base_key(&packages);
+    let key = base_key(suite, &packages);
     let dir = images_dir.join(BASE).join(&key[..16]);
     let root = dir.join("root");
     let step = Step::start(
         progress,
         "debootstrap",
-        format!("{SUITE} minbase + {} packages", packages.len()),
+        format!("{suite} minbase + {} packages", packages.len()),
     );
     let detail = |i: &BaseInfo| {
         format!(
-            "{SUITE} + {} packages, {} MiB",
+            "{suite} + {} packages, {} MiB",
             i.packages.len(),
             i.tree_bytes >> 20
         )
@@ -158,13 +160,13 @@ pub fn build_base(
         ));
     }
     host::ensure_tools(host::ROOTFS_TOOLS, false)?;
-    let mirror = host::debian_mirror(SUITE);
+    let mirror = host::debian_mirror(suite);
     let rec = cache::build_layer(&dir, BASE, &key, |tmp| {
         let root = tmp.join("root");
         let started = std::time::Instant::now();
-        debootstrap(&root, &mirror, &step)?;
+        debootstrap(&root, suite, &mirror, &step)?;
         let debootstrap_seconds = started.elapsed().as_secs_f64();
-        write_apt_sources(&root, &mirror)?;
+        write_apt_sources(&root, suite, &mirror)?;
         let started = std::time::Instant::now();
         apt_install(&root, &packages, &step)?;
         let apt_seconds = started.elapsed().as_secs_f64();
@@ -176,7 +178,7 @@ pub fn build_base(
         step.message("slimming the tree");
         slim(&root)?;
         Ok(BaseInfo {
-            suite: SUITE.to_string(),
+            suite: suite.to_string(),
             mirror: mirror.clone(),
             packages: packages.clone(),
             installed_packages: installed.lines().count(),
@@ -196,12 +198,12 @@ pub fn build_base(
     ))
 }
 
-fn debootstrap(root: &Path, mirror: &str, step: &Step) -> Result<(), ImageError> {
+fn debootstrap(root: &Path, suite: &str, mirror: &str, step: &Step) -> Result<(), ImageError> {
     let mut c = Command::new("debootstrap");
     c.env("LC_ALL", "C")
         .env("DEBIAN_FRONTEND", "noninteractive");
     c.args(["--variant=minbase", "--components=main"]);
-    c.arg(SUITE).arg(root).arg(mirror);
+    c.arg(suite).arg(root).arg(mirror);
     let log = root.join("debootstrap/debootstrap.log");
     cmd::run_streaming(
         &mut c,
@@ -270,9 +272,9 @@ fn apt_install(root: &Path, packages: &[String], step: &Step) -> Result<(), Imag
 
 /// Points the guest's apt at the same mirror, plus updates and security,
 /// so `apt-get install` inside a sandbox sees current packages.
-fn write_apt_sources(root: &Path, mirror: &str) -> Result<(), ImageError> {
+fn write_apt_sources(root: &Path, suite: &str, mirror: &str) -> Result<(), ImageError> {
     let security = {
-        let s = host::debian_mirror(&format!("{SUITE}-security"));
+        let s = host::debian_mirror(&format!("{suite}-security"));
         if s.ends_with("-security") {
             s
         } else {
@@ -280,7 +282,7 @@ fn write_apt_sources(root: &Path, mirror: &str) -> Result<(), ImageError> {
         }
     };
     let text = format!(
-        "deb {mirror} {SUITE} main\ndeb {mirror} {SUITE}-updates main\ndeb {security} {SUITE}-security main\n"
+        "deb {mirror} {suite} main\ndeb {mirror} {suite}-updates main\ndeb {security} {suite}-security main\n"
     );
     let path = root.join("etc/apt/sources.list");
     fs::write(&path, text).ctx(|| format!("writing {}", path.display()))
@@ -538,15 +540,23 @@ mod tests {
             vcpus: 1,
             packages: packages.iter().map(|s| s.to_string()).collect(),
             disk_mib: disk,
+            suite: SUITE.into(),
         }
     }
 
     #[test]
     fn base_key_ignores_package_order_and_duplicates() {
-        let a = base_key(&spec("a", &["procps", "iproute2"], 1).packages);
-        let b = base_key(&spec("b", &["iproute2", "procps", "procps", " "], 1).packages);
+        let a = base_key(SUITE, &spec("a", &["procps", "iproute2"], 1).packages);
+        let b = base_key(
+            SUITE,
+            &spec("b", &["iproute2", "procps", "procps", " "], 1).packages,
+        );
         assert_eq!(a, b);
-        assert_ne!(a, base_key(&spec("a", &["procps"], 1).packages));
+        assert_ne!(a, base_key(SUITE, &spec("a", &["procps"], 1).packages));
+        assert_ne!(
+            a,
+            base_key("trixie", &spec("a", &["procps", "iproute2"], 1).packages)
+        );
     }
 
     #[test]

@@ -5,9 +5,16 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::ImageError;
+use crate::rootfs::SUITE;
+
+/// The Debian releases a Dockerfile's `FROM debian:<release>` may name,
+/// besides the first-party templates' own ([`SUITE`]): each is bootstrapped
+/// on a host the first time a build asks for it, as the template
+/// `debian-<release>`.
+pub const OTHER_DEBIAN_RELEASES: [&str; 2] = ["bullseye", "trixie"];
 
 /// A template: a name, the VM shape the engine gives it, and the Debian
-/// packages its root filesystem holds on top of `minbase`.
+/// release and packages its root filesystem holds on top of `minbase`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TemplateSpec {
     pub name: String,
@@ -16,6 +23,13 @@ pub struct TemplateSpec {
     pub packages: Vec<String>,
     /// Size of the (sparse) root filesystem image: the room a sandbox has.
     pub disk_mib: u32,
+    /// The Debian release (`debootstrap`'s suite).
+    #[serde(default = "default_suite")]
+    pub suite: String,
+}
+
+fn default_suite() -> String {
+    SUITE.into()
 }
 
 fn strings(list: &[&str]) -> Vec<String> {
@@ -31,6 +45,7 @@ pub fn first_party_templates() -> Vec<TemplateSpec> {
             vcpus: 8,
             packages: strings(&["ca-certificates", "iproute2", "procps", "python3-minimal"]),
             disk_mib: 2048,
+            suite: SUITE.into(),
         },
         TemplateSpec {
             name: "code-interpreter".into(),
@@ -50,8 +65,26 @@ pub fn first_party_templates() -> Vec<TemplateSpec> {
                 "python3-pandas",
             ]),
             disk_mib: 4096,
+            suite: SUITE.into(),
         },
     ]
+}
+
+/// The template of another Debian release (`debian-bullseye`,
+/// `debian-trixie`): what `base` is, on that release. Not baked at start;
+/// a build `FROM debian:<release>` bakes it on its host once.
+pub fn release_template(release: &str) -> Option<TemplateSpec> {
+    if !OTHER_DEBIAN_RELEASES.contains(&release) {
+        return None;
+    }
+    let base = first_party_templates()
+        .into_iter()
+        .find(|t| t.name == "base")?;
+    Some(TemplateSpec {
+        name: format!("debian-{release}"),
+        suite: release.into(),
+        ..base
+    })
 }
 
 /// Whether `name` can name a template: 1-63 of `[a-z0-9-]`, not starting
@@ -65,9 +98,13 @@ pub fn valid_template_name(name: &str) -> bool {
         && !name.starts_with('-')
 }
 
-/// The first-party template called `name`.
+/// The first-party template called `name`, or another release's
+/// (`debian-<release>`).
 pub fn find_template(name: &str) -> Option<TemplateSpec> {
-    first_party_templates().into_iter().find(|t| t.name == name)
+    first_party_templates()
+        .into_iter()
+        .find(|t| t.name == name)
+        .or_else(|| release_template(name.strip_prefix("debian-")?))
 }
 
 impl TemplateSpec {
@@ -86,6 +123,12 @@ impl TemplateSpec {
             if !ok {
                 return bad(format!("{p:?} is not a Debian package name"));
             }
+        }
+        if self.suite != SUITE && !OTHER_DEBIAN_RELEASES.contains(&self.suite.as_str()) {
+            return bad(format!(
+                "{:?} is not a Debian release Shoal bootstraps",
+                self.suite
+            ));
         }
         if self.disk_mib < 64 {
             return bad(format!("disk_mib {} is below 64", self.disk_mib));
@@ -113,6 +156,14 @@ mod tests {
         let base = find_template("base").unwrap();
         assert_eq!((base.memory_mib, base.vcpus), (4096, 8));
         assert!(find_template("nope").is_none());
+        let trixie = find_template("debian-trixie").unwrap();
+        trixie.validate().unwrap();
+        assert_eq!(
+            (trixie.suite.as_str(), trixie.packages.clone()),
+            ("trixie", base.packages.clone())
+        );
+        assert!(find_template("debian-bookworm").is_none());
+        assert!(find_template("debian-sid").is_none());
     }
 
     #[test]
