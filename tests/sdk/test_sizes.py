@@ -18,7 +18,8 @@ def _mem_kib(sandbox):
 
 
 def _create(shoal, token, client, **body):
-    r = shoal.http(token).post(f"{shoal.url}/v1/sandboxes", json=dict(template="base", **body), timeout=300)
+    body.setdefault("template", "base")
+    r = shoal.http(token).post(f"{shoal.url}/v1/sandboxes", json=body, timeout=300)
     if r.status_code != 201:
         raise PandastackError(r.text)
     return client.sandboxes.get(r.json()["id"])
@@ -80,3 +81,28 @@ def test_a_size_above_the_template_or_too_small_is_refused(shoal, make_account):
         assert r.status_code == 422 and "at most its template's size" in r.json()["error"], (size, r.text)
     body = shoal.http(owner.token).get(f"{shoal.url}/v1/sandboxes", timeout=30).json()
     assert body["items"] == [], body
+
+
+def test_a_smaller_copy_of_a_template_with_a_start_command_has_it_running(shoal, make_account):
+    """The copy at another size is a fresh boot of the template's disk: the
+    template's start command and readiness check run in it before it is
+    saved, as in the template's own bake, so its sandboxes have the process
+    running with no exec of their own."""
+    owner = make_account("team", "sizes-start")
+    client = shoal.client(owner.token)
+    dockerfile = (
+        "FROM base\n"
+        'HEALTHCHECK CMD test -s /run/started-by-template\n'
+        'CMD ["sh", "-c", "nproc > /run/started-by-template; exec sleep 1000000"]\n'
+    )
+    build = client.templates.build_from_dockerfile("started", dockerfile)
+    build = client.templates.wait_for_build(build.id, poll_interval=0.5, timeout_seconds=600)
+    assert build.status == "done", build
+    for size in [{}, {"cpu": 2, "memory_mb": 1024}]:
+        sandbox = _create(shoal, owner.token, client, **dict(size, template="started"))
+        try:
+            out = sandbox.exec("cat /run/started-by-template; pgrep -x sleep > /dev/null && echo running")
+            lines = out.stdout.split()
+            assert lines == [str(size.get("cpu", 8)), "running"], (size, out.stdout, out.stderr)
+        finally:
+            sandbox.kill()

@@ -420,7 +420,12 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
     let size = task_size(row.slurm.as_ref(), &restored);
     let source = cp
         .host
-        .sized(&resolved.source, size.vcpus, size.memory_mib)
+        .sized(
+            &resolved.source,
+            size.vcpus,
+            size.memory_mib,
+            resolved.warm_up.as_ref(),
+        )
         .await
         .map_err(|e| {
             format!(

@@ -299,11 +299,12 @@ pub(crate) async fn create_sandbox(
     check_metadata(&metadata)?;
     let volumes = crate::volumes::requests(&body.volumes.unwrap_or_default())?;
     // What it restores from and the template its row names.
-    let (source, template, mode) = match (&body.layer, &body.from_snapshot) {
+    let (source, template, mode, warm_up) = match (&body.layer, &body.from_snapshot) {
         (Some(layer), _) => (
             Source::Snapshot(layer.clone()),
             body.template.clone().unwrap_or_default(),
             "restore",
+            None,
         ),
         (None, from_snapshot) => match from_snapshot {
             Some(snapshot) => {
@@ -312,12 +313,12 @@ pub(crate) async fn create_sandbox(
                     .get_snapshot(account.id, snapshot)
                     .await?
                     .ok_or_else(|| ApiError::not_found("snapshot not found"))?;
-                (Source::Snapshot(row.id), row.template, "snapshot")
+                (Source::Snapshot(row.id), row.template, "snapshot", None)
             }
             None => {
                 let name = body.template.unwrap_or_else(|| "code-interpreter".into());
                 let resolved = cp.template_source(account, &name).await?;
-                (resolved.source, name, "restore")
+                (resolved.source, name, "restore", resolved.warm_up)
             }
         },
     };
@@ -356,7 +357,11 @@ pub(crate) async fn create_sandbox(
         allow_internet: body.allow_internet.unwrap_or(true),
         volumes: cp.attachments(account, &volumes),
     };
-    let sized = match cp.host.sized(&source, size.vcpus, size.memory_mib).await {
+    let sized = match cp
+        .host
+        .sized(&source, size.vcpus, size.memory_mib, warm_up.as_ref())
+        .await
+    {
         Ok(sized) => sized,
         Err(e) => {
             cp.mark_failed(&row.id).await;

@@ -18,10 +18,9 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use shoal_host::Source;
-use shoal_proto::client::ExecRequest;
 use shoal_store::{Account, StoreError, TemplateRow};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 type St = State<Arc<ControlPlane>>;
 
@@ -142,9 +141,9 @@ pub struct CreateBody {
 /// Default and longest wait for a template's ready command.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 const MAX_READY_TIMEOUT_SECONDS: u64 = 600;
-/// One try of the ready command, and the pause between tries.
-const READY_TRY: Duration = Duration::from_secs(10);
-const READY_PAUSE: Duration = Duration::from_millis(250);
+/// How long a copy of a template at another size waits for its ready
+/// command (a Dockerfile's HEALTHCHECK gets as long in its build).
+const COPY_READY_PATIENCE: Duration = Duration::from_secs(300);
 /// The longest start or ready command accepted.
 const MAX_COMMAND_BYTES: usize = 16 << 10;
 
@@ -265,45 +264,18 @@ async fn create_detached(
     Ok((StatusCode::CREATED, Json(own_json(&cp, &account, &row))))
 }
 
-/// `'...'` for a POSIX shell.
-pub(crate) fn shell_quoted(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "'\\''"))
-}
+pub(crate) use shoal_host::warm_up::shell_quoted;
 
-/// Starts `command` in its own session in the sandbox, its output to
-/// `/var/log/shoal-template-start.log`, and returns once it is started (the
-/// exec's own process group ends at once; the session outlives it).
+/// Starts `command` detached in the sandbox (`warm_up::start_detached`).
 pub(crate) async fn start_detached(
     cp: &ControlPlane,
     sandbox: &str,
     command: &str,
 ) -> ApiResult<()> {
     let agent = cp.host.engine().agent(sandbox).await?;
-    let request = ExecRequest {
-        cmd: format!(
-            "(setsid sh -c {} > /var/log/shoal-template-start.log 2>&1 < /dev/null &)",
-            shell_quoted(command)
-        ),
-        timeout: Some(READY_TRY),
-        ..ExecRequest::default()
-    };
-    // The guest's timeout, and the host's own deadline over it.
-    let started = tokio::time::timeout(READY_TRY * 2, agent.exec_collect_limited(request, 4096))
+    shoal_host::warm_up::start_detached(&agent, command)
         .await
-        .map_err(|_| ApiError::new(StatusCode::GATEWAY_TIMEOUT, "starting start_cmd timed out"))?
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                format!("starting start_cmd: {e}"),
-            )
-        })?;
-    if !started.status.success() {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "start_cmd could not be started",
-        ));
-    }
-    Ok(())
+        .map_err(|why| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, why))
 }
 
 /// Runs `command` in the sandbox until it exits 0, for at most `patience`;
@@ -315,50 +287,9 @@ pub(crate) async fn wait_ready(
     patience: Duration,
 ) -> ApiResult<()> {
     let agent = cp.host.engine().agent(sandbox).await?;
-    let deadline = Instant::now() + patience;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let one_try = left.min(READY_TRY).max(Duration::from_secs(1));
-        let request = ExecRequest {
-            cmd: command.to_owned(),
-            timeout: Some(one_try),
-            ..ExecRequest::default()
-        };
-        let last = match tokio::time::timeout(
-            one_try * 2,
-            agent.exec_collect_limited(request, 4096),
-        )
+    shoal_host::warm_up::wait_ready(&agent, command, patience)
         .await
-        {
-            Ok(Ok(output)) if output.status.success() => return Ok(()),
-            Ok(Ok(output)) => {
-                let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
-                text.push_str(&String::from_utf8_lossy(&output.stderr));
-                text
-            }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => "the guest did not answer".into(),
-        };
-        if Instant::now() + READY_PAUSE >= deadline {
-            let tail: String = last
-                .chars()
-                .rev()
-                .take(500)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect();
-            return Err(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                format!(
-                    "ready_cmd did not succeed within {} s; its last output: {}",
-                    patience.as_secs(),
-                    tail.trim()
-                ),
-            ));
-        }
-        tokio::time::sleep(READY_PAUSE).await;
-    }
+        .map_err(|why| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, why))
 }
 
 pub async fn delete(
@@ -396,6 +327,18 @@ pub async fn delete(
 pub(crate) struct TemplateSource {
     pub source: Source,
     pub base: String,
+    /// The template's start command and readiness check: running in its
+    /// snapshot, and run again in a copy of another size before it is saved.
+    pub warm_up: Option<shoal_host::warm_up::WarmUp>,
+}
+
+/// A template row's start and ready commands, as a copy's bake runs them.
+fn warm_up_of(row: &TemplateRow) -> Option<shoal_host::warm_up::WarmUp> {
+    (row.start_cmd.is_some() || row.ready_cmd.is_some()).then(|| shoal_host::warm_up::WarmUp {
+        start: row.start_cmd.clone(),
+        ready: row.ready_cmd.clone(),
+        patience: COPY_READY_PATIENCE,
+    })
 }
 
 impl ControlPlane {
@@ -408,22 +351,23 @@ impl ControlPlane {
             return Err(ApiError::bad_request(format!("unknown template: {name}")));
         }
         if shoal_image::find_template(name).is_none() {
-            if let Some(own) = self.store.get_template(account.id, name).await? {
+            let own = self.store.get_template(account.id, name).await?;
+            let found = match own {
+                Some(own) => Some(own),
+                None => self.store.get_published_template(name).await?,
+            };
+            if let Some(row) = found {
                 return Ok(TemplateSource {
-                    source: Source::Snapshot(own.snapshot_id),
-                    base: own.base,
-                });
-            }
-            if let Some(published) = self.store.get_published_template(name).await? {
-                return Ok(TemplateSource {
-                    source: Source::Snapshot(published.snapshot_id),
-                    base: published.base,
+                    warm_up: warm_up_of(&row),
+                    source: Source::Snapshot(row.snapshot_id),
+                    base: row.base,
                 });
             }
         }
         Ok(TemplateSource {
             source: Source::Template(name.to_owned()),
             base: name.to_owned(),
+            warm_up: None,
         })
     }
 }

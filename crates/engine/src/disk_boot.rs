@@ -51,6 +51,9 @@ pub struct DiskBootSpec {
     pub template: String,
     /// The snapshot's id; `None`: a new `snap-` one.
     pub id: Option<String>,
+    /// What the guest runs before it is saved (a template's start command
+    /// and readiness check), so that restores have it running.
+    pub warm_up: Option<crate::warm_up::WarmUp>,
 }
 
 impl Engine {
@@ -161,6 +164,14 @@ impl Engine {
             .is_err()
         {
             tracing::debug!(snapshot = id, "agent did not settle in time");
+        }
+        if let Some(warm_up) = &spec.warm_up {
+            if let Err(why) = warm_up.run(&booted.agent).await {
+                booted.kill().await;
+                return Err(EngineError::InvalidInput(format!(
+                    "the template's start command: {why}"
+                )));
+            }
         }
         booted.save(dir).await?;
         manifest.disk_layers.push(final_dir.join("disk.qcow2"));

@@ -50,6 +50,7 @@ pub mod qemu;
 mod reap;
 pub mod vm;
 pub mod volume;
+pub mod warm_up;
 
 pub use accel::Accel;
 pub use bake::BakeProgress;

@@ -10,6 +10,7 @@
 
 use crate::{HostAgent, HostError, Result, Source};
 use sha2::{Digest, Sha256};
+use shoal_engine::warm_up::WarmUp;
 use shoal_engine::{BootDisk, DiskBootSpec, Manifest, SIZED_PREFIX};
 use shoal_image::import::ImportReport;
 use std::path::PathBuf;
@@ -86,6 +87,7 @@ impl HostAgent {
                     memory_mib: spec.memory_mib,
                     template: "base".into(),
                     id: None,
+                    warm_up: None,
                 })
                 .await?;
             Ok((manifest, report))
@@ -144,8 +146,15 @@ impl HostAgent {
     /// that size, else its disk booted at that size, saved once as a
     /// snapshot (`size-<hash>`) and reused by every later create of that
     /// size. A size above the source's is [`HostError::Invalid`]: a VM is
-    /// at most its template's size.
-    pub async fn sized(&self, source: &Source, vcpus: u32, memory_mib: u32) -> Result<Source> {
+    /// at most its template's size. A template with a start command has it
+    /// run (`warm_up`) before the copy is saved, as its own bake did.
+    pub async fn sized(
+        &self,
+        source: &Source,
+        vcpus: u32,
+        memory_mib: u32,
+        warm_up: Option<&WarmUp>,
+    ) -> Result<Source> {
         let manifest = self.source_manifest(source)?;
         if (vcpus, memory_mib) == (manifest.vcpus, manifest.memory_mib) {
             return Ok(source.clone());
@@ -156,7 +165,8 @@ impl HostAgent {
             || memory_mib > manifest.memory_mib
         {
             return Err(HostError::Invalid(format!(
-                "a sandbox of {} may have 1 to {} vCPUs and {MIN_SIZED_MEMORY_MIB} to {} MiB                  (asked for {vcpus} and {memory_mib} MiB)",
+                "a sandbox of {} may have 1 to {} vCPUs and {MIN_SIZED_MEMORY_MIB} to {} MiB \
+                 (asked for {vcpus} and {memory_mib} MiB)",
                 manifest.template, manifest.vcpus, manifest.memory_mib
             )));
         }
@@ -170,6 +180,13 @@ impl HostAgent {
         ] {
             hasher.update((part.len() as u64).to_le_bytes());
             hasher.update(part.as_bytes());
+        }
+        if let Some(warm_up) = warm_up {
+            for part in [&warm_up.start, &warm_up.ready] {
+                let part = part.as_deref().unwrap_or("");
+                hasher.update((part.len() as u64).to_le_bytes());
+                hasher.update(part.as_bytes());
+            }
         }
         let id = format!(
             "{SIZED_PREFIX}{}",
@@ -200,6 +217,7 @@ impl HostAgent {
                 memory_mib,
                 template: manifest.template.clone(),
                 id: Some(id.clone()),
+                warm_up: warm_up.cloned(),
             })
             .await;
         self.sizing.lock().await.remove(&id);

@@ -19,6 +19,7 @@ pub use shoal_engine::net::GUEST_IP;
 pub use shoal_engine::qemu::VOLUME_SLOTS;
 pub use shoal_engine::vm::OUT_OF_MEMORY;
 pub use shoal_engine::volume::valid_name as valid_volume_name;
+pub use shoal_engine::warm_up;
 pub use shoal_engine::{
     Accel, CpuPriority, CreateOptions, Engine, EngineConfig, EngineError, Fork, Kind, Manifest,
     SandboxInfo, Usage, VmFailure, VmState, VolumeAttachment,
