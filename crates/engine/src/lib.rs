@@ -826,6 +826,26 @@ impl Engine {
         out
     }
 
+    /// Marks the snapshot as used now (what [`Engine::snapshot_used_at`]
+    /// reads): eviction of derived copies goes by it.
+    pub fn touch_snapshot(&self, snapshot: &str) {
+        let marker = self.captures_dir().join(snapshot).join("used");
+        let touched = std::fs::File::create(&marker)
+            .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+        if let Err(e) = touched {
+            tracing::debug!(snapshot, error = %e, "marking a snapshot used");
+        }
+    }
+
+    /// When the snapshot was last marked used, or else made.
+    pub fn snapshot_used_at(&self, snapshot: &str) -> std::time::SystemTime {
+        let dir = self.captures_dir().join(snapshot);
+        std::fs::metadata(dir.join("used"))
+            .or_else(|_| std::fs::metadata(&dir))
+            .and_then(|m| m.modified())
+            .unwrap_or(std::time::UNIX_EPOCH)
+    }
+
     pub async fn delete_snapshot(&self, snapshot: &str) -> Result<()> {
         self.snapshot_manifest(snapshot)?;
         let _gc = self.gc_lock.lock().await;

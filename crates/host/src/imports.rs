@@ -204,6 +204,7 @@ impl HostAgent {
             .clone();
         let _one = lock.lock().await;
         if self.engine.snapshot_manifest(&id).is_ok() {
+            self.engine.touch_snapshot(&id);
             return Ok(Source::Snapshot(id));
         }
         let disk = match source {
@@ -222,6 +223,100 @@ impl HostAgent {
             .await;
         self.sizing.lock().await.remove(&id);
         booted?;
+        self.evict_sized_copies(&id).await;
         Ok(Source::Snapshot(id))
+    }
+
+    /// Keeps at most [`MAX_SIZED_COPIES`] sized copies on this host: past
+    /// it the least recently used go (their files once no sandbox restored
+    /// from them runs), so asking for many sizes cannot fill the disk, and
+    /// copies of a template since rebaked do not stay forever. A copy used
+    /// in the last [`SIZED_COPY_GRACE`] stays: a create may be about to
+    /// restore it.
+    async fn evict_sized_copies(&self, keep: &str) {
+        let copies: Vec<(String, std::time::SystemTime)> = self
+            .engine
+            .snapshots()
+            .into_iter()
+            .filter(|m| m.id.starts_with(SIZED_PREFIX))
+            .map(|m| {
+                let used = self.engine.snapshot_used_at(&m.id);
+                (m.id, used)
+            })
+            .collect();
+        let now = std::time::SystemTime::now();
+        for id in copies_to_evict(copies, keep, MAX_SIZED_COPIES, now) {
+            if let Err(e) = self.engine.delete_snapshot(&id).await {
+                tracing::warn!(copy = id, error = %e, "evicting a sized copy");
+            }
+        }
+    }
+}
+
+/// Sized copies a host keeps (each up to its template's memory on disk).
+pub const MAX_SIZED_COPIES: usize = 16;
+/// How recently used a copy must not be to be evicted.
+const SIZED_COPY_GRACE: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Which of `copies` (id, last use) go so that at most `max` stay: the
+/// least recently used first, never `keep` nor one used within the grace.
+fn copies_to_evict(
+    mut copies: Vec<(String, std::time::SystemTime)>,
+    keep: &str,
+    max: usize,
+    now: std::time::SystemTime,
+) -> Vec<String> {
+    if copies.len() <= max {
+        return Vec::new();
+    }
+    let excess = copies.len() - max;
+    copies.sort_by_key(|(_, used)| *used);
+    copies
+        .into_iter()
+        .filter(|(id, used)| {
+            id != keep
+                && now
+                    .duration_since(*used)
+                    .is_ok_and(|age| age >= SIZED_COPY_GRACE)
+        })
+        .take(excess)
+        .map(|(id, _)| id)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn the_least_recently_used_copies_go_but_not_the_new_one_nor_a_fresh_one() {
+        let now = SystemTime::now();
+        let ago = |s: u64| now - Duration::from_secs(s);
+        let copies = |n: usize| -> Vec<(String, SystemTime)> {
+            (0..n)
+                .map(|i| (format!("size-{i}"), ago(1000 - i as u64)))
+                .collect()
+        };
+        assert!(copies_to_evict(copies(3), "size-0", 3, now).is_empty());
+        // Five over three: the two oldest, size-0 and size-1.
+        assert_eq!(
+            copies_to_evict(copies(5), "size-4", 3, now),
+            ["size-0", "size-1"]
+        );
+        // The one just made is never evicted, even when oldest by its clock.
+        assert_eq!(
+            copies_to_evict(copies(5), "size-0", 3, now),
+            ["size-1", "size-2"]
+        );
+        // One used within the grace stays; the cap is then exceeded for now.
+        let mut fresh = copies(5);
+        fresh[1].1 = ago(5);
+        assert_eq!(
+            copies_to_evict(fresh, "size-4", 3, now),
+            ["size-0", "size-2"]
+        );
+        let all_fresh: Vec<_> = (0..5).map(|i| (format!("size-{i}"), ago(1))).collect();
+        assert!(copies_to_evict(all_fresh, "size-4", 3, now).is_empty());
     }
 }
