@@ -28,6 +28,10 @@
 //!   unavailable` with `Retry-After: 15`.
 //! - a request about one snapshot: to the host that holds its files; a
 //!   read works from any agent when that host is stale, a delete is 503.
+//! - `POST /v1/templates/build`: to the host of the snapshot its
+//!   Dockerfile's `FROM` restores (an account's own or a published
+//!   template), else to a live host in turn; a body past 64 MiB (a root
+//!   filesystem upload) is streamed on.
 //! - a request about one template build: to the host that runs it (its
 //!   live log is there); any agent reads it when that host is stale.
 //! - the fleet-internal routes (`/v1/fleet/...`, fleet token): heartbeats,
@@ -406,23 +410,8 @@ impl Front {
         // An account's own template (or one published to all) restores its
         // snapshot: the same pin. The snapshot is its owner's.
         let template_snapshot = match template_named(&body) {
-            Some(name) if shoal_image::find_template(&name).is_none() => {
-                let own = self
-                    .store
-                    .get_template(account.id, &name)
-                    .await
-                    .map_err(database_error)?;
-                let found = match own {
-                    Some(own) => Some(own),
-                    None => self
-                        .store
-                        .get_published_template(&name)
-                        .await
-                        .map_err(database_error)?,
-                };
-                found.map(|t| (t.account_id, t.snapshot_id))
-            }
-            _ => None,
+            Some(name) => self.template_snapshot(account, &name).await?,
+            None => None,
         };
         let named_snapshot = snapshot_named(&body).map(|id| (account.id, id));
         if let Some((owner, id)) = named_snapshot.or(template_snapshot) {
@@ -566,6 +555,7 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/sandboxes/{id}/{*rest}", any(about_sandbox))
         .route("/v1/apps", post(create).fallback(elsewhere))
         .route("/v1/templates", post(create_template).fallback(elsewhere))
+        .route("/v1/templates/build", post(build_template))
         .route("/v1/templates/builds/{id}", any(about_build))
         .route("/v1/templates/builds/{id}/{*rest}", any(about_build))
         .route("/v1/apps/{id}", any(about_app))
@@ -932,6 +922,75 @@ impl Front {
     }
 
     /// `home`'s row, when that host is live.
+    /// The snapshot (its owner, its id) an account's template `name`
+    /// restores: its own of that name, else one published to all; `None`
+    /// for a first-party template or no such template.
+    async fn template_snapshot(
+        &self,
+        account: &Account,
+        name: &str,
+    ) -> Result<Option<(i64, String)>, Response> {
+        if shoal_image::find_template(name).is_some() {
+            return Ok(None);
+        }
+        let own = self
+            .store
+            .get_template(account.id, name)
+            .await
+            .map_err(database_error)?;
+        let found = match own {
+            Some(own) => Some(own),
+            None => self
+                .store
+                .get_published_template(name)
+                .await
+                .map_err(database_error)?,
+        };
+        Ok(found.map(|t| (t.account_id, t.snapshot_id)))
+    }
+
+    /// The host a template build must run on: the host of the snapshot its
+    /// Dockerfile's `FROM` restores (an account's own or a published
+    /// template), `None` when any host will do (a first-party or Debian
+    /// base, an upload, an image reference, or a body the agent will refuse).
+    async fn build_home(
+        &self,
+        account: &Account,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Option<String>, Response> {
+        let Some(text) = dockerfile_of(headers, body).await else {
+            return Ok(None);
+        };
+        let Ok(parsed) = shoal_image::dockerfile::parse(&text) else {
+            return Ok(None);
+        };
+        let shoal_image::dockerfile::Base::Template(name) = parsed.base else {
+            return Ok(None);
+        };
+        let Some((owner, id)) = self.template_snapshot(account, &name).await? else {
+            return Ok(None);
+        };
+        Ok(self
+            .store
+            .get_snapshot(owner, &id)
+            .await
+            .map_err(database_error)?
+            .and_then(|snapshot| snapshot.host))
+    }
+
+    /// A live host, in turn: where a build that may run anywhere goes.
+    async fn any_live_host(&self) -> Result<Option<String>, Response> {
+        let hosts = self.routing_view().await?;
+        let at = now();
+        let live: Vec<&HostRow> = hosts.iter().filter(|h| is_live(h, at)).collect();
+        if live.is_empty() {
+            return Ok(None);
+        }
+        let turn = self.next_any.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(live[turn % live.len()].report.id.clone()))
+    }
+
     async fn live_host(&self, home: Option<&str>) -> Result<Option<HostRow>, Response> {
         let hosts = self.routing_view().await?;
         let at = now();
@@ -1073,6 +1132,84 @@ async fn create_volume(State(front): St, request: Request) -> Response {
 
 /// Naming a sandbox or a snapshot as a template: to the host that holds
 /// it (the capture is made and kept there); 503 while that host is stale.
+/// A template build runs on one host, which must hold what its `FROM`
+/// restores: a Dockerfile naming an account's own (or a published)
+/// template goes to that template's snapshot's host (503 while it is
+/// stale); anything else to a live host in turn. The body is read to
+/// [`limits::FORWARDED_BODY_MAX`] to find the Dockerfile (a Dockerfile and
+/// its context are at most 50 MiB); a larger one (a root filesystem
+/// tarball) is streamed on, what was read included, and bounded by the
+/// agent (its tier's largest template disk).
+async fn build_template(State(front): St, request: Request) -> Response {
+    use futures::StreamExt as _;
+    let (parts, body) = request.into_parts();
+    let account = match front.caller(&parts).await {
+        Ok(account) => account,
+        Err(response) => return response,
+    };
+    let mut rest = body.into_data_stream();
+    let mut head = Vec::new();
+    let mut whole = true;
+    while let Some(chunk) = rest.next().await {
+        match chunk {
+            Ok(chunk) => head.extend_from_slice(&chunk),
+            Err(_) => return refuse(StatusCode::BAD_REQUEST, "reading the request body", None),
+        }
+        if head.len() > limits::FORWARDED_BODY_MAX {
+            whole = false;
+            break;
+        }
+    }
+    let head = Bytes::from(head);
+    let home = if whole {
+        match front.build_home(&account, &parts.headers, head.clone()).await {
+            Ok(Some(host)) => Some(host),
+            Ok(None) => None,
+            Err(response) => return response,
+        }
+    } else {
+        None
+    };
+    let home = match home {
+        Some(host) => host,
+        None => match front.any_live_host().await {
+            Ok(Some(host)) => host,
+            Ok(None) => return no_capacity(),
+            Err(response) => return response,
+        },
+    };
+    let body = if whole {
+        Body::from(head)
+    } else {
+        let first = futures::stream::once(async move { Ok::<_, axum::Error>(head) });
+        Body::from_stream(first.chain(rest))
+    };
+    front
+        .forward_home(account.id, Some(&home), false, parts, body)
+        .await
+}
+
+/// The `dockerfile` field of a build's form (multipart, as the SDK sends
+/// it, or urlencoded), if it has one.
+async fn dockerfile_of(headers: &HeaderMap, body: Bytes) -> Option<String> {
+    let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?.to_owned();
+    if content_type.starts_with("application/x-www-form-urlencoded") {
+        let fields: Vec<(String, String)> = serde_urlencoded::from_bytes(&body).ok()?;
+        return fields.into_iter().find(|(k, _)| k == "dockerfile").map(|(_, v)| v);
+    }
+    let boundary = multer::parse_boundary(&content_type).ok()?;
+    let mut form = multer::Multipart::new(
+        futures::stream::once(async move { Ok::<_, std::convert::Infallible>(body) }),
+        boundary,
+    );
+    while let Ok(Some(field)) = form.next_field().await {
+        if field.name() == Some("dockerfile") {
+            return field.text().await.ok();
+        }
+    }
+    None
+}
+
 async fn create_template(State(front): St, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     let (account, body) = match front.caller_and_body(&parts, body).await {

@@ -359,3 +359,141 @@ async fn builds_are_read_on_the_host_that_runs_them() {
         .unwrap();
     assert!(answer["host"] == "h1" || answer["host"] == "h2", "{answer}");
 }
+
+/// A template build runs where its `FROM` is: a Dockerfile naming the
+/// account's own template (multipart, as the SDK sends it, or urlencoded)
+/// goes to that template's snapshot's host whatever placement prefers; a
+/// first-party base may go anywhere; a body over the front's buffer (a root
+/// filesystem upload) is streamed whole to an agent.
+#[tokio::test]
+async fn builds_go_where_their_from_template_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, url) = common::two_hosts(dir.path()).await;
+    let token = store.create_token("alice", Tier::Team).await.unwrap();
+    let alice = store.authenticate(&token).await.unwrap().unwrap();
+    for (id, host) in [("snap-on-h1", "h1"), ("snap-on-gone", "h-gone")] {
+        store
+            .insert_snapshot(&SnapshotRow {
+                id: id.into(),
+                account_id: alice.id,
+                sandbox_id: None,
+                template: "base".into(),
+                size_bytes: Some(1),
+                host: Some(host.into()),
+                created_at: now(),
+            })
+            .await
+            .unwrap();
+    }
+    for (name, snapshot) in [("tools", "snap-on-h1"), ("stranded", "snap-on-gone")] {
+        let row = shoal_store::TemplateRow {
+            account_id: alice.id,
+            name: name.into(),
+            snapshot_id: snapshot.into(),
+            base: "base".into(),
+            start_cmd: None,
+            ready_cmd: None,
+            published: false,
+            created_at: now(),
+        };
+        store.insert_template(&alice, &row, 10).await.unwrap();
+    }
+    let address = common::serve_front(&store, &url).await;
+    let http = reqwest::Client::new();
+    let build_url = format!("http://{address}/v1/templates/build");
+    let multipart = |dockerfile: &str| {
+        reqwest::multipart::Form::new()
+            .text("name", "analysis")
+            .text("dockerfile", dockerfile.to_owned())
+            .part(
+                "context",
+                reqwest::multipart::Part::bytes(vec![7u8; 3 << 20]).file_name("data.bin"),
+            )
+    };
+    let answer = |response: reqwest::Response| async move {
+        let status = response.status().as_u16();
+        (status, response.json::<Value>().await.unwrap_or(Value::Null))
+    };
+
+    // Twice each, so that taking turns cannot land on h1 by chance.
+    for _ in 0..2 {
+        let (status, body) = answer(
+            http.post(&build_url)
+                .bearer_auth(&token)
+                .multipart(multipart("ARG BASE=tools\nFROM ${BASE}\nRUN make\n"))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!((status, body["host"].as_str()), (200, Some("h1")), "{body}");
+        assert!(body["body_bytes"].as_u64().unwrap() > 3 << 20, "{body}");
+        let (_, body) = answer(
+            http.post(&build_url)
+                .bearer_auth(&token)
+                .form(&[("name", "analysis"), ("dockerfile", "FROM tools\n")])
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(body["host"], "h1", "{body}");
+    }
+    let mut hosts = std::collections::HashSet::new();
+    for _ in 0..4 {
+        let (status, body) = answer(
+            http.post(&build_url)
+                .bearer_auth(&token)
+                .multipart(multipart("FROM base\nRUN make\n"))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        hosts.insert(body["host"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(hosts.len(), 2, "a first-party base goes to either host: {hosts:?}");
+
+    // The FROM template's host is gone: 503 to retry, not a build elsewhere.
+    let (status, body) = answer(
+        http.post(&build_url)
+            .bearer_auth(&token)
+            .multipart(multipart("FROM stranded\n"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+
+    // A root filesystem upload past the front's 64 MiB buffer arrives whole.
+    let upload = reqwest::multipart::Form::new().text("name", "tiny").part(
+        "rootfs",
+        reqwest::multipart::Part::bytes(vec![0u8; 80 << 20]).file_name("rootfs.tar"),
+    );
+    let (status, body) = answer(
+        http.post(&build_url)
+            .bearer_auth(&token)
+            .multipart(upload)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body["body_bytes"].as_u64().unwrap() > 80 << 20, "{body}");
+
+    // Another account's token names no template of Alice's.
+    let bob = store.create_token("bob", Tier::Team).await.unwrap();
+    let (status, _) = answer(
+        http.post(&build_url)
+            .bearer_auth(&bob)
+            .multipart(multipart("FROM stranded\n"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200);
+}
