@@ -844,6 +844,8 @@ impl ControlPlane {
             size_bytes: crate::snapshots::capture_bytes(self, snapshot, manifest.as_ref()),
             host: Some(self.config.host_name.clone()),
             created_at: now(),
+            vcpus: manifest.as_ref().map(|m| i64::from(m.vcpus)),
+            memory_mib: manifest.as_ref().map(|m| i64::from(m.memory_mib)),
         };
         if let Err(e) = self.store.record_snapshot(account, &record, &limits).await {
             if let Err(cleanup) = self.host.delete_snapshot(snapshot).await {

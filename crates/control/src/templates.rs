@@ -44,8 +44,8 @@ fn first_party_json(cp: &ControlPlane, name: &str) -> Option<Value> {
 
 /// An account's template as the API shows it to its own account: what
 /// every account sees of a published one, plus its owner and snapshot.
-fn own_json(cp: &ControlPlane, account: &Account, row: &TemplateRow) -> Value {
-    let mut value = published_json(cp, row);
+async fn own_json(cp: &ControlPlane, account: &Account, row: &TemplateRow) -> Value {
+    let mut value = published_json(cp, row).await;
     value["is_global"] = json!(false);
     value["published"] = json!(row.published);
     value["workspace"] = json!(account.name);
@@ -53,20 +53,36 @@ fn own_json(cp: &ControlPlane, account: &Account, row: &TemplateRow) -> Value {
     value
 }
 
+/// The size (vCPUs, MiB) of the VM a template's sandboxes get: its
+/// snapshot's, from the manifest where this host holds it, else as its
+/// row recorded it (any host of a fleet), else its base's.
+async fn template_size(cp: &ControlPlane, row: &TemplateRow) -> Option<(i64, i64)> {
+    let engine = cp.host.engine();
+    if let Ok(m) = engine.snapshot_manifest(&row.snapshot_id) {
+        return Some((i64::from(m.vcpus), i64::from(m.memory_mib)));
+    }
+    let recorded = cp
+        .store
+        .get_snapshot(row.account_id, &row.snapshot_id)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|s| s.vcpus.zip(s.memory_mib));
+    recorded.or_else(|| {
+        let m = engine.template(&row.base).ok()?;
+        Some((i64::from(m.vcpus), i64::from(m.memory_mib)))
+    })
+}
+
 /// A template as another account sees it once an operator published it:
 /// usable by name, its snapshot and owner not shown. Its size is its
-/// snapshot's (read where this host holds it; elsewhere in a fleet, its
-/// base's, which a template of its own size does not have).
-fn published_json(cp: &ControlPlane, row: &TemplateRow) -> Value {
-    let engine = cp.host.engine();
-    let manifest = engine
-        .snapshot_manifest(&row.snapshot_id)
-        .or_else(|_| engine.template(&row.base))
-        .ok();
+/// snapshot's ([`template_size`]).
+async fn published_json(cp: &ControlPlane, row: &TemplateRow) -> Value {
+    let size = template_size(cp, row).await;
     json!({
         "name": row.name,
-        "cpu": manifest.as_ref().map(|m| m.vcpus),
-        "memory_mb": manifest.as_ref().map(|m| m.memory_mib),
+        "cpu": size.map(|s| s.0),
+        "memory_mb": size.map(|s| s.1),
         "is_global": true,
         "published": true,
         "base": row.base,
@@ -92,11 +108,11 @@ pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Valu
     for row in cp.store.list_published_templates().await? {
         // The account's own of that name is the one it gets.
         if row.account_id != account.id && !own.iter().any(|o| o.name == row.name) {
-            items.push(published_json(&cp, &row));
+            items.push(published_json(&cp, &row).await);
         }
     }
     for row in &own {
-        items.push(own_json(&cp, &account, row));
+        items.push(own_json(&cp, &account, row).await);
     }
     Ok(Json(json!({ "items": items })))
 }
@@ -110,14 +126,14 @@ pub async fn get(
         return Ok(Json(global));
     }
     if let Some(row) = cp.store.get_template(account.id, &name).await? {
-        return Ok(Json(own_json(&cp, &account, &row)));
+        return Ok(Json(own_json(&cp, &account, &row).await));
     }
     let row = cp
         .store
         .get_published_template(&name)
         .await?
         .ok_or_else(|| not_found(&name))?;
-    Ok(Json(published_json(&cp, &row)))
+    Ok(Json(published_json(&cp, &row).await))
 }
 
 #[derive(Deserialize, Default)]
@@ -261,7 +277,10 @@ async fn create_detached(
             other => other.into(),
         });
     }
-    Ok((StatusCode::CREATED, Json(own_json(&cp, &account, &row))))
+    Ok((
+        StatusCode::CREATED,
+        Json(own_json(&cp, &account, &row).await),
+    ))
 }
 
 pub(crate) use shoal_host::warm_up::shell_quoted;

@@ -1162,7 +1162,10 @@ async fn build_template(State(front): St, request: Request) -> Response {
     }
     let head = Bytes::from(head);
     let home = if whole {
-        match front.build_home(&account, &parts.headers, head.clone()).await {
+        match front
+            .build_home(&account, &parts.headers, head.clone())
+            .await
+        {
             Ok(Some(host)) => Some(host),
             Ok(None) => None,
             Err(response) => return response,
@@ -1195,7 +1198,10 @@ async fn dockerfile_of(headers: &HeaderMap, body: Bytes) -> Option<String> {
     let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?.to_owned();
     if content_type.starts_with("application/x-www-form-urlencoded") {
         let fields: Vec<(String, String)> = serde_urlencoded::from_bytes(&body).ok()?;
-        return fields.into_iter().find(|(k, _)| k == "dockerfile").map(|(_, v)| v);
+        return fields
+            .into_iter()
+            .find(|(k, _)| k == "dockerfile")
+            .map(|(_, v)| v);
     }
     let boundary = multer::parse_boundary(&content_type).ok()?;
     let mut form = multer::Multipart::new(

@@ -29,6 +29,8 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
                 size_bytes: Some(1),
                 host: Some(host.into()),
                 created_at: now(),
+                vcpus: None,
+                memory_mib: None,
             })
             .await
             .unwrap();
@@ -165,6 +167,8 @@ async fn an_accounts_templates_go_where_their_snapshot_is() {
                 size_bytes: Some(1),
                 host: Some(host.into()),
                 created_at: now(),
+                vcpus: None,
+                memory_mib: None,
             })
             .await
             .unwrap();
@@ -381,6 +385,8 @@ async fn builds_go_where_their_from_template_is() {
                 size_bytes: Some(1),
                 host: Some(host.into()),
                 created_at: now(),
+                vcpus: None,
+                memory_mib: None,
             })
             .await
             .unwrap();
@@ -412,7 +418,10 @@ async fn builds_go_where_their_from_template_is() {
     };
     let answer = |response: reqwest::Response| async move {
         let status = response.status().as_u16();
-        (status, response.json::<Value>().await.unwrap_or(Value::Null))
+        (
+            status,
+            response.json::<Value>().await.unwrap_or(Value::Null),
+        )
     };
 
     // Twice each, so that taking turns cannot land on h1 by chance.
@@ -453,7 +462,11 @@ async fn builds_go_where_their_from_template_is() {
         assert_eq!(status, 200, "{body}");
         hosts.insert(body["host"].as_str().unwrap().to_owned());
     }
-    assert_eq!(hosts.len(), 2, "a first-party base goes to either host: {hosts:?}");
+    assert_eq!(
+        hosts.len(),
+        2,
+        "a first-party base goes to either host: {hosts:?}"
+    );
 
     // The FROM template's host is gone: 503 to retry, not a build elsewhere.
     let (status, body) = answer(

@@ -99,6 +99,11 @@ const SQLITE: &[Embedded] = &[
         "template published",
         include_str!("../migrations/sqlite/0015_template_published.sql"),
     ),
+    (
+        16,
+        "snapshot size",
+        include_str!("../migrations/sqlite/0016_snapshot_size.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -176,6 +181,11 @@ const POSTGRES: &[Embedded] = &[
         15,
         "template published",
         include_str!("../migrations/postgres/0015_template_published.sql"),
+    ),
+    (
+        16,
+        "snapshot size",
+        include_str!("../migrations/postgres/0016_snapshot_size.sql"),
     ),
 ];
 

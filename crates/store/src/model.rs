@@ -371,6 +371,10 @@ pub struct SnapshotRow {
     /// The host whose disk holds it.
     pub host: Option<String>,
     pub created_at: f64,
+    /// The size of the VM it restores (`None` for snapshots recorded
+    /// before sizes were).
+    pub vcpus: Option<i64>,
+    pub memory_mib: Option<i64>,
 }
 
 /// App statuses (see ARCHITECTURE.md, "Apps"). Only `deleted` frees the

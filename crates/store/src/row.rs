@@ -102,7 +102,7 @@ pub(crate) fn account(row: &impl Column) -> Result<Account> {
 /// The columns [`snapshot`] reads, as a literal for `concat!`.
 macro_rules! snapshot_columns {
     () => {
-        "id, account_id, sandbox_id, template, size_bytes, host, created_at"
+        "id, account_id, sandbox_id, template, size_bytes, host, created_at, vcpus, memory_mib"
     };
 }
 pub(crate) use snapshot_columns;
@@ -116,6 +116,8 @@ pub(crate) fn snapshot(row: &impl Column) -> Result<SnapshotRow> {
         size_bytes: row.opt_int("size_bytes")?,
         host: row.opt_text("host")?,
         created_at: row.real("created_at")?,
+        vcpus: row.opt_int("vcpus")?,
+        memory_mib: row.opt_int("memory_mib")?,
     })
 }
 

@@ -12,8 +12,8 @@ use crate::{
 };
 
 const INSERT: &str =
-    "INSERT INTO snapshots (id, account_id, sandbox_id, template, size_bytes, host, created_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7)";
+    "INSERT INTO snapshots (id, account_id, sandbox_id, template, size_bytes, host, created_at, \
+     vcpus, memory_mib) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 const GET: &str = concat!(
     "SELECT ",
     snapshot_columns!(),
@@ -117,6 +117,8 @@ impl Store {
                 .bind(snapshot.size_bytes)
                 .bind(&snapshot.host)
                 .bind(snapshot.created_at)
+                .bind(snapshot.vcpus)
+                .bind(snapshot.memory_mib)
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "snapshot", &snapshot.id))?;
@@ -137,6 +139,8 @@ impl Store {
                 .bind(snapshot.size_bytes)
                 .bind(&snapshot.host)
                 .bind(snapshot.created_at)
+                .bind(snapshot.vcpus)
+                .bind(snapshot.memory_mib)
                 .execute(pool)
                 .await
                 .map_err(|e| already_exists(e, "snapshot", &snapshot.id))?;

@@ -121,6 +121,8 @@ async fn the_cache_names_a_done_build_whose_snapshot_exists(db: Arc<Db>) {
             size_bytes: Some(1 << 20),
             host: Some("h1".into()),
             created_at: T0,
+            vcpus: None,
+            memory_mib: None,
         })
         .await
         .unwrap();

@@ -35,6 +35,8 @@ fn snapshot(account: &Account, id: &str, size_bytes: i64) -> SnapshotRow {
         size_bytes: Some(size_bytes),
         host: Some("h1".into()),
         created_at: T0,
+        vcpus: Some(2),
+        memory_mib: Some(1024),
     }
 }
 

@@ -140,6 +140,8 @@ async fn tenancy_hides_other_accounts_sandboxes_and_snapshots(db: Arc<Db>) {
         size_bytes: Some(1 << 30),
         host: Some("h1".to_owned()),
         created_at: T0 + 5.0,
+        vcpus: None,
+        memory_mib: None,
     };
     store.insert_snapshot(&snapshot).await.unwrap();
     let older = SnapshotRow {
@@ -646,6 +648,8 @@ async fn duplicate_ids_are_refused(db: Arc<Db>) {
         size_bytes: None,
         host: None,
         created_at: T0,
+        vcpus: None,
+        memory_mib: None,
     };
     store.insert_snapshot(&snap).await.unwrap();
     let err = store.insert_snapshot(&snap).await.unwrap_err();
