@@ -31,7 +31,7 @@ module load python/3.11
 
 echo "task $SLURM_ARRAY_TASK_ID of $SLURM_ARRAY_TASK_COUNT job $SLURM_JOB_ID array $SLURM_ARRAY_JOB_ID name $SLURM_JOB_NAME"
 mkdir -p results
-echo $((SLURM_ARRAY_TASK_ID * SLURM_ARRAY_TASK_ID)) > results/$SLURM_ARRAY_TASK_ID.txt
+srun --ntasks=1 -c 1 sh -c 'echo $((SLURM_ARRAY_TASK_ID * SLURM_ARRAY_TASK_ID)) step $SLURM_STEP_ID' > results/$SLURM_ARRAY_TASK_ID.txt
 echo "note from $SLURM_ARRAY_TASK_ID" >&2
 sleep 4
 "#;
@@ -347,7 +347,8 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
             &submit.join(format!("results/{task}.txt")),
             Duration::from_secs(10),
         );
-        assert_eq!(result.trim(), (task * task).to_string());
+        // Written by an `srun` step: the task's first (step 0).
+        assert_eq!(result.trim(), format!("{} step 0", task * task));
     }
 
     // The dependent job ran after, and its output file is named by %j.

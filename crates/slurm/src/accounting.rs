@@ -683,7 +683,47 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 /// ones are left out, as squeue leaves them out. Pending tasks of one array
 /// (same partition, name, user and reason) share a line, `1080_[5-1024]`,
 /// placed where the first of them was.
+/// The states a `squeue -t`/`sacct -s` list names: comma-separated long
+/// (`RUNNING`) or compact (`R`) names in any case, or `all`.
+pub fn parse_states(list: &str) -> Result<Vec<JobState>, SlurmError> {
+    let mut states = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        if item.eq_ignore_ascii_case("all") {
+            return Ok(JobState::ALL.to_vec());
+        }
+        let state = JobState::ALL
+            .into_iter()
+            .find(|s| {
+                item.eq_ignore_ascii_case(s.as_str()) || item.eq_ignore_ascii_case(s.compact())
+            })
+            .ok_or_else(|| SlurmError::InvalidState {
+                value: item.to_owned(),
+            })?;
+        states.push(state);
+    }
+    Ok(states)
+}
+
+/// Whether `record` is one `refs` names (`123` is a job and all its tasks,
+/// `123_4` one task; a task's own id names it too). No refs: all.
+pub fn matches_job_refs(record: &JobRecord, refs: &[JobRef]) -> bool {
+    refs.is_empty()
+        || refs.iter().any(|r| match r.task_id {
+            None => r.job_id == record.job_id || Some(r.job_id) == record.array_job_id,
+            Some(task) => Some(r.job_id) == record.array_job_id && Some(task) == record.task_id,
+        })
+}
+
 pub fn format_squeue(records: &[JobRecord]) -> String {
+    format_squeue_with(records, true)
+}
+
+/// `squeue -r`: every array task on its own line, pending ones included.
+pub fn format_squeue_unfolded(records: &[JobRecord]) -> String {
+    format_squeue_with(records, false)
+}
+
+fn format_squeue_with(records: &[JobRecord], fold_pending_tasks: bool) -> String {
     let mut out = String::new();
     push_squeue_line(
         &mut out,
@@ -707,7 +747,9 @@ pub fn format_squeue(records: &[JobRecord]) -> String {
         let r = active[i];
         done[i] = true;
         let mut id = r.display_id();
-        if let (JobState::Pending, Some(array), Some(task)) = (r.state, r.array_job_id, r.task_id) {
+        if let (true, JobState::Pending, Some(array), Some(task)) =
+            (fold_pending_tasks, r.state, r.array_job_id, r.task_id)
+        {
             let mut tasks = vec![task];
             for j in i + 1..active.len() {
                 let o = active[j];
@@ -1146,6 +1188,36 @@ mod tests {
             "              2000      long   single      bob PD       0:00      1 (Dependency)"
         );
         assert_eq!(lines.len(), 4, "the completed task is not in the queue");
+
+        // -r: one line per pending task; -j 1000_3 and 2000; -t PD.
+        let unfolded = format_squeue_unfolded(&recs);
+        assert_eq!(unfolded.lines().count(), 7, "{unfolded}");
+        let refs = vec![
+            parse_job_ref("1000_3").unwrap(),
+            parse_job_ref("2000").unwrap(),
+        ];
+        let named: Vec<u64> = recs
+            .iter()
+            .filter(|r| matches_job_refs(r, &refs))
+            .map(|r| r.job_id)
+            .collect();
+        assert_eq!(named, [1003, 2000]);
+        let whole = crate::parse_job_refs("1000").unwrap();
+        assert_eq!(
+            recs.iter().filter(|r| matches_job_refs(r, &whole)).count(),
+            6
+        );
+        let pending = parse_states("pd").unwrap();
+        assert_eq!(pending, [JobState::Pending]);
+        assert_eq!(
+            parse_states("RUNNING,cd").unwrap(),
+            [JobState::Running, JobState::Completed]
+        );
+        assert_eq!(parse_states("all").unwrap().len(), JobState::ALL.len());
+        assert!(parse_states("SLEEPING")
+            .unwrap_err()
+            .to_string()
+            .contains("PENDING"));
     }
 
     #[test]

@@ -18,6 +18,7 @@
 pub mod accounting;
 pub mod array;
 pub mod env;
+pub mod export;
 pub mod memory;
 pub mod pattern;
 pub mod script;
@@ -25,11 +26,13 @@ pub mod time;
 
 pub use accounting::{
     default_sacct_fields, format_rss, format_sacct, format_sacct_with, format_squeue,
-    format_submitted, parse_format, parse_job_ref, parse_job_refs, FieldSpec, JobRecord, JobRef,
-    JobState, SacctField, SacctOptions, SacctStyle,
+    format_squeue_unfolded, format_submitted, matches_job_refs, parse_format, parse_job_ref,
+    parse_job_refs, parse_states, FieldSpec, JobRecord, JobRef, JobState, SacctField, SacctOptions,
+    SacctStyle,
 };
 pub use array::{compress_ranges, parse_array, ArraySpec, MAX_ARRAY_TASKS};
 pub use env::{task_environment, ArrayTask, TaskDescription};
+pub use export::exported_environment;
 pub use memory::{format_mem_mib, parse_mem_mib};
 pub use pattern::{
     default_output_pattern, expand_pattern, output_paths, OutputPaths, PatternContext,
@@ -63,6 +66,12 @@ pub enum SlurmError {
     /// A `--dependency` list that does not parse.
     #[error("invalid dependency {value:?}: {reason}")]
     InvalidDependency { value: String, reason: String },
+    /// A job state name (`squeue -t`, `sacct -s`) Slurm does not have.
+    #[error("invalid job state {value:?}: expected names such as PENDING, RUNNING, COMPLETED, FAILED, TIMEOUT, CANCELLED, OUT_OF_MEMORY or their short forms (PD, R, CD, F, TO, CA, OOM), or all")]
+    InvalidState { value: String },
+    /// An `--export` list that does not parse.
+    #[error("invalid --export {value:?}: {reason}")]
+    InvalidExport { value: String, reason: String },
     /// A job reference (`123`, `123_4`, `123_[1-3]`) that does not parse.
     #[error("invalid job id {value:?}: expected JOBID, JOBID_TASK or JOBID_[TASKS]")]
     InvalidJobRef { value: String },

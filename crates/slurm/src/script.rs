@@ -111,6 +111,9 @@ pub struct Directives {
     pub chdir: Option<String>,
     /// `--parsable`: print only the job id on submission.
     pub parsable: bool,
+    /// `--export`: which of the submitting shell's variables the tasks get
+    /// (`None`: ALL, as Slurm).
+    pub export: Option<String>,
 }
 
 impl Directives {
@@ -411,6 +414,7 @@ enum Key {
     NoRequeue,
     Time,
     Parsable,
+    Export,
     Ignored(&'static str),
 }
 
@@ -453,8 +457,11 @@ fn long_option(name: &str) -> Option<(Key, Arg)> {
         "oversubscribe" | "overcommit" | "contiguous" | "spread-job" | "use-min-nodes" => {
             (Ignored(OWN_SANDBOX), None)
         }
-        "export" | "export-file" => (
-            Ignored("the task gets the SLURM_* variables and its template's environment"),
+        "export" => (Export, Required),
+        "export-file" => (
+            Ignored(
+                "the task gets the SLURM_* variables, --export's and its template's environment",
+            ),
             Required,
         ),
         "get-user-env" | "propagate" => (
@@ -758,6 +765,11 @@ impl OptionParser {
             Key::Requeue => d.requeue = Some(true),
             Key::NoRequeue => d.requeue = Some(false),
             Key::Parsable => d.parsable = true,
+            Key::Export => {
+                // Checked now, so a bad list stops the submission.
+                crate::export::exported_environment(Some(&v), std::iter::empty()).map_err(wrap)?;
+                d.export = Some(v.clone());
+            }
             Key::Ignored(reason) => self.warn(line, format!("{written} ignored: {reason}")),
         }
         Ok(())

@@ -29,16 +29,29 @@ pub struct SbatchArgs {
 }
 
 #[derive(Args)]
+#[command(disable_help_flag = true)]
 pub struct SqueueArgs {
-    /// Only these job ids (comma-separated).
+    /// Only these jobs or array tasks (comma-separated: ID, ID_TASK).
     #[arg(short = 'j', long = "jobs", value_delimiter = ',')]
-    pub jobs: Vec<u64>,
+    pub jobs: Vec<String>,
     /// Only jobs submitted as this user.
     #[arg(short = 'u', long = "user")]
     pub user: Option<String>,
     /// Only your jobs (every job of the token is yours).
     #[arg(long = "me")]
     pub me: bool,
+    /// Only jobs in these states (comma-separated: PD,R or PENDING,RUNNING; all).
+    #[arg(short = 't', long = "states")]
+    pub states: Option<String>,
+    /// No header line (squeue's -h; --help is help).
+    #[arg(short = 'h', long = "noheader")]
+    pub noheader: bool,
+    /// One line per array task, pending ones included (squeue's -r).
+    #[arg(short = 'r', long = "array")]
+    pub array: bool,
+    /// Print help.
+    #[arg(long = "help", action = clap::ArgAction::Help)]
+    pub help: Option<bool>,
 }
 
 #[derive(Args)]
@@ -93,7 +106,23 @@ pub async fn sbatch(args: SbatchArgs) -> Result<ExitCode> {
 }
 
 pub async fn squeue(args: SqueueArgs) -> Result<ExitCode> {
-    views::squeue(&api()?, &args.jobs, args.user.as_deref()).await?;
+    let mut jobs = Vec::new();
+    for j in &args.jobs {
+        jobs.extend(shoal_slurm::parse_job_refs(j)?);
+    }
+    let states = args
+        .states
+        .as_deref()
+        .map(shoal_slurm::parse_states)
+        .transpose()?;
+    let query = views::SqueueQuery {
+        jobs,
+        user: args.user,
+        states,
+        noheader: args.noheader,
+        one_per_task: args.array,
+    };
+    views::squeue(&api()?, &query).await?;
     Ok(ExitCode::SUCCESS)
 }
 

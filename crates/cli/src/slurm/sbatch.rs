@@ -26,6 +26,10 @@ use super::config::Config;
 /// Where the script is written in each sandbox (outside the submit
 /// directory, so it is never collected back).
 pub const SCRIPT_PATH: &str = "/tmp/shoal-slurm/job.sh";
+/// Where a task finds `srun` (first on its `PATH`): one step of one task
+/// in the task's own sandbox (`srun.sh`).
+pub const SRUN_DIR: &str = "/tmp/shoal-slurm/bin";
+const SRUN: &str = include_str!("srun.sh");
 
 /// `--time` not given: Slurm takes the partition's default; Shoal's is an hour.
 const DEFAULT_TIME_SECONDS: u64 = 3600;
@@ -43,6 +47,10 @@ pub struct Invocation {
     pub script: Option<String>,
     /// Arguments after the script: `$1`...
     pub script_args: Vec<String>,
+    /// `--wrap CMD`: the script is `#!/bin/sh` and CMD.
+    pub wrap: Option<String>,
+    /// `--test-only`: check and say what would run, submit nothing.
+    pub test_only: bool,
 }
 
 /// Long options that take no value (every other long option does, unless
@@ -84,6 +92,19 @@ pub fn split_args(args: &[String]) -> Invocation {
         i += 1;
         if a == "--wait" || a == "-W" {
             inv.wait = true;
+            continue;
+        }
+        if a == "--test-only" {
+            inv.test_only = true;
+            continue;
+        }
+        if let Some(cmd) = a.strip_prefix("--wrap=") {
+            inv.wrap = Some(cmd.to_owned());
+            continue;
+        }
+        if a == "--wrap" {
+            inv.wrap = args.get(i).cloned();
+            i += 1;
             continue;
         }
         if let Some(long) = a.strip_prefix("--") {
@@ -234,6 +255,8 @@ pub struct Submitter {
     pub submit_dir: PathBuf,
     pub user: String,
     pub host: String,
+    /// The submitting shell's environment (what `--export` chooses from).
+    pub environment: Vec<(String, String)>,
 }
 
 impl Submitter {
@@ -246,10 +269,15 @@ impl Submitter {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_owned())
             .unwrap_or_else(|_| "localhost".into());
+        // Variables whose name or value is not UTF-8 cannot travel in JSON.
+        let environment = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect();
         Ok(Submitter {
             submit_dir,
             user,
             host,
+            environment,
         })
     }
 }
@@ -323,7 +351,9 @@ pub fn sweep_request(
         Some(a) => a.task_ids.iter().map(|t| json!(t)).collect(),
         None => vec![json!(0)],
     };
-    let mut command = format!("chmod 755 {SCRIPT_PATH} && exec {SCRIPT_PATH}");
+    let mut command = format!(
+        "chmod 755 {SCRIPT_PATH} {SRUN_DIR}/srun && PATH={SRUN_DIR}:\"$PATH\" exec {SCRIPT_PATH}"
+    );
     for a in script_args {
         command.push(' ');
         command.push_str(&shell_quote(a));
@@ -336,11 +366,15 @@ pub fn sweep_request(
         "workdir": work_s,
         "timeout_seconds": timeout,
         "retries": 0,
-        "files": {SCRIPT_PATH: base64::engine::general_purpose::STANDARD.encode(&script.body)},
+        "files": {
+            SCRIPT_PATH: base64::engine::general_purpose::STANDARD.encode(&script.body),
+            format!("{SRUN_DIR}/srun"): base64::engine::general_purpose::STANDARD.encode(SRUN),
+        },
         // What the script leaves in its working directory comes back to
         // the submit machine, as on a shared filesystem (two levels deep).
         "collect": [format!("{work_s}/*"), format!("{work_s}/*/*")],
         "after_ok": after_ok(d)?,
+        "env": shoal_slurm::exported_environment(d.export.as_deref(), who.environment.clone())?,
         "slurm": {
             "job_name": name,
             "array": d.array.as_ref().map(|a| a.to_slurm_string()),
@@ -369,6 +403,28 @@ pub fn sweep_request(
     Ok(body)
 }
 
+/// What `--test-only` prints instead of submitting, in sbatch's words
+/// (no job id: none was taken).
+fn test_only_line(body: &Value, template: &Template) -> String {
+    let tasks = body["cells"].as_array().map_or(1, Vec::len);
+    format!(
+        "sbatch: Job to start at {} using {} processors on nodes {} in partition {} ({} task{}, \
+         {} MiB each, time limit {} s); nothing was submitted",
+        chrono::Local::now().format("%Y-%m-%dT%H:%M:%S"),
+        body["slurm"]["vcpus"],
+        template.name,
+        body["slurm"]["partition"]
+            .as_str()
+            .unwrap_or(&template.name),
+        tasks,
+        if tasks == 1 { "" } else { "s" },
+        body["slurm"]["mem_mib"]
+            .as_u64()
+            .map_or(template.memory_mib, |m| m.min(template.memory_mib)),
+        body["timeout_seconds"],
+    )
+}
+
 /// Parses and checks a script with its command-line options; refusals and
 /// bad values are errors before anything is created.
 pub fn read_script(text: &str, options: &[String]) -> Result<BatchScript> {
@@ -390,11 +446,16 @@ pub fn read_script(text: &str, options: &[String]) -> Result<BatchScript> {
 /// the output files. Returns the process's exit code.
 pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
     let inv = split_args(args);
-    let text = match &inv.script {
-        Some(path) => {
+    let text = match (&inv.wrap, &inv.script) {
+        (Some(_), Some(_)) => bail!("Script arguments not permitted with --wrap option"),
+        // What sbatch itself writes for --wrap.
+        (Some(cmd), None) => {
+            format!("#!/bin/sh\n# This script was created by sbatch --wrap.\n\n{cmd}\n")
+        }
+        (None, Some(path)) => {
             std::fs::read_to_string(path).with_context(|| format!("Unable to open file {path}"))?
         }
-        None => {
+        (None, None) => {
             let mut s = String::new();
             std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
                 .context("reading the script from standard input")?;
@@ -424,14 +485,23 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
         eprintln!("sbatch: warning: {w}");
     }
     let who = Submitter::here()?;
+    let script_name = if inv.wrap.is_some() {
+        Some("wrap")
+    } else {
+        inv.script.as_deref()
+    };
     let body = sweep_request(
         &script,
-        inv.script.as_deref(),
+        script_name,
         &inv.script_args,
         &template,
         &who,
         &config,
     )?;
+    if inv.test_only {
+        eprintln!("{}", test_only_line(&body, &template));
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
     let sweep = api
         .create_sweep(&body)
         .await
@@ -455,6 +525,115 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `srun` as a task runs it: from its directory, under POSIX `sh`.
+    fn srun(args: &[&str]) -> (i32, String, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let shim = bin.join("srun");
+        std::fs::write(&shim, SRUN).unwrap();
+        let out = std::process::Command::new("sh")
+            .arg(&shim)
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    #[test]
+    fn wrap_and_test_only_are_the_cli_s_own() {
+        let inv = split_args(&strings(&[
+            "--test-only",
+            "-c",
+            "2",
+            "--wrap",
+            "python3 -V",
+        ]));
+        assert!(inv.test_only);
+        assert_eq!(inv.wrap.as_deref(), Some("python3 -V"));
+        assert_eq!(inv.options, strings(&["-c", "2"]));
+        assert_eq!(inv.script, None);
+        let inv = split_args(&strings(&["--wrap=hostname", "--export=NONE"]));
+        assert_eq!(inv.wrap.as_deref(), Some("hostname"));
+        assert_eq!(inv.options, strings(&["--export=NONE"]));
+    }
+
+    #[test]
+    fn export_chooses_the_tasks_variables() {
+        let who = Submitter {
+            submit_dir: "/home/a/run".into(),
+            user: "a".into(),
+            host: "h".into(),
+            environment: vec![
+                ("MY_PARAM".into(), "7".into()),
+                ("OTHER".into(), "x".into()),
+                ("PATH".into(), "/home/a/bin:/usr/bin".into()),
+            ],
+        };
+        let t = &templates()[0];
+        let env = |options: &[&str]| {
+            let script = read_script("#!/bin/sh\necho\n", &strings(options)).unwrap();
+            sweep_request(&script, None, &[], t, &who, &Config::default()).unwrap()["env"].clone()
+        };
+        assert_eq!(env(&[]), json!({"MY_PARAM": "7", "OTHER": "x"}));
+        assert_eq!(env(&["--export=NONE"]), json!({}));
+        assert_eq!(
+            env(&["--export=MY_PARAM,SEED=3"]),
+            json!({"MY_PARAM": "7", "SEED": "3"})
+        );
+        let bad = read_script("#!/bin/sh\n#SBATCH --export=1X=2\necho\n", &[]).unwrap_err();
+        assert!(
+            format!("{bad:#}").contains("not a variable name"),
+            "{bad:#}"
+        );
+    }
+
+    #[test]
+    fn srun_runs_one_step_here_and_refuses_more_with_the_reason() {
+        assert_eq!(srun(&["echo", "hi"]), (0, "hi\n".into(), String::new()));
+        let (code, out, _) = srun(&[
+            "-n1",
+            "--cpus-per-task=2",
+            "-J",
+            "step",
+            "--mem=1G",
+            "-u",
+            "sh",
+            "-c",
+            "echo $SLURM_CPUS_PER_TASK $SLURM_JOB_NAME $SLURM_STEP_ID $SLURM_NTASKS $SLURM_PROCID",
+        ]);
+        assert_eq!((code, out.as_str()), (0, "2 step 0 1 0\n"));
+        // The exit status is the command's, labelled or not.
+        assert_eq!(srun(&["sh", "-c", "exit 3"]).0, 3);
+        let (code, out, _) = srun(&["-l", "sh", "-c", "echo a; echo b; exit 5"]);
+        assert_eq!((code, out.as_str()), (5, "0: a\n0: b\n"));
+        assert_eq!(srun(&["-D", "/", "pwd"]).1, "/\n");
+        for (args, why) in [
+            (&["-n", "4", "true"][..], "a step of 4 tasks"),
+            (&["--ntasks=2", "true"][..], "a step of 2 tasks"),
+            (&["-N2", "true"][..], "a step of 2 nodes"),
+            (&["--mpi=pmix", "./solver"][..], "MPI"),
+            (&["-n"][..], "-n needs a value"),
+            (
+                &["--frobnicate", "x"][..],
+                "unrecognized option '--frobnicate'",
+            ),
+            (&[][..], "no command given"),
+        ] {
+            let (code, out, err) = srun(args);
+            assert_eq!((code, out.as_str()), (1, ""), "{args:?}: {err}");
+            assert!(
+                err.starts_with("srun: error: ") && err.contains(why),
+                "{args:?}: {err}"
+            );
+        }
+    }
 
     fn strings(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
@@ -577,6 +756,10 @@ mod tests {
             submit_dir: "/home/a/run".into(),
             user: "a".into(),
             host: "h".into(),
+            environment: vec![
+                ("MY_PARAM".into(), "7".into()),
+                ("HOME".into(), "/home/a".into()),
+            ],
         };
         let t = &templates()[0];
         let body =
@@ -588,6 +771,8 @@ mod tests {
         assert_eq!(body["name"], "x");
         assert_eq!(body["workdir"], "/home/a/run");
         assert_eq!(body["slurm"]["array"], "1-6%3");
+        // --export's default, ALL: the shell's variables but the machine's.
+        assert_eq!(body["env"], json!({"MY_PARAM": "7"}));
 
         let single = read_script("#!/bin/sh\necho\n", &[]).unwrap();
         let body = sweep_request(

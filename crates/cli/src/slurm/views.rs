@@ -141,7 +141,22 @@ async fn resolve(api: &Api, job_id: u64) -> Result<Option<(Value, Option<u64>)>>
 }
 
 /// `shoal squeue`: the caller's pending and running tasks.
-pub async fn squeue(api: &Api, jobs: &[u64], user: Option<&str>) -> Result<()> {
+/// What `shoal squeue` shows.
+pub struct SqueueQuery {
+    /// `-j`: jobs (all their tasks) or single tasks; none: all.
+    pub jobs: Vec<shoal_slurm::JobRef>,
+    /// `-u`.
+    pub user: Option<String>,
+    /// `-t`; `None`: the pending and running states, as squeue.
+    pub states: Option<Vec<shoal_slurm::JobState>>,
+    /// `-h`.
+    pub noheader: bool,
+    /// `-r`: pending array tasks one per line, not folded into `ID_[a-b]`.
+    pub one_per_task: bool,
+}
+
+/// `shoal squeue`.
+pub async fn squeue(api: &Api, query: &SqueueQuery) -> Result<()> {
     let vcpus = vcpus_by_template(api).await;
     let mut all = Vec::new();
     let mut sweeps = api.sweeps().await?;
@@ -151,18 +166,28 @@ pub async fn squeue(api: &Api, jobs: &[u64], user: Option<&str>) -> Result<()> {
             continue;
         }
         let id = s["job_id"].as_u64().unwrap_or(0);
-        if !jobs.is_empty() && !jobs.contains(&id) {
-            continue;
-        }
-        if let Some(u) = user {
-            if s["slurm"]["user"].as_str() != Some(u) {
+        if let Some(u) = &query.user {
+            if s["slurm"]["user"].as_str() != Some(u.as_str()) {
                 continue;
             }
         }
         let cells = api.cells(&id.to_string()).await?;
         all.extend(records(&s, &cells, &vcpus));
     }
-    print!("{}", shoal_slurm::format_squeue(&all));
+    all.retain(|r| shoal_slurm::matches_job_refs(r, &query.jobs));
+    if let Some(states) = &query.states {
+        all.retain(|r| states.contains(&r.state));
+    }
+    let text = if query.one_per_task {
+        shoal_slurm::format_squeue_unfolded(&all)
+    } else {
+        shoal_slurm::format_squeue(&all)
+    };
+    if query.noheader {
+        print!("{}", text.split_once('\n').map_or("", |(_, rest)| rest));
+    } else {
+        print!("{text}");
+    }
     Ok(())
 }
 
