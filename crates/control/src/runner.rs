@@ -106,6 +106,9 @@ pub const MAX_COLLECT_TOTAL: u64 = 32 << 20;
 pub const DEFAULT_WORKDIR: &str = "/root";
 /// Added to the timeout for a sandbox's hard lifetime: create and collect.
 const LIFETIME_MARGIN_SECONDS: u64 = 300;
+/// The longest grace between SIGTERM and SIGKILL at a time limit (inside
+/// the lifetime margin).
+const MAX_KILL_WAIT_SECONDS: u64 = 120;
 /// How long the host waits past the guest's own timeout before it gives the
 /// command up (a guest too wedged to report its timeout).
 const HOST_TIMEOUT_MARGIN: Duration = Duration::from_secs(30);
@@ -636,11 +639,14 @@ async fn run_attempt(
                 Err(e) => classify_agent_error("preparing the sandbox", e),
                 Ok(()) => {
                     tracing::debug!(sandbox, ms = ms(phase), "sandbox prepared");
+                    let stop = time_limit_stop(sweep.slurm.as_ref());
                     let request = ExecRequest {
                         cmd: sweep.command.replace("{cell}", &claim.value),
                         env: cell_environment(info, claim, &sandbox),
                         cwd: Some(workdir(sweep).to_owned()),
                         timeout: Some(timeout),
+                        kill_grace: stop.kill_grace,
+                        warn_signal: stop.warn_signal,
                         ..ExecRequest::default()
                     };
                     match agent.exec(request).await {
@@ -650,8 +656,10 @@ async fn run_attempt(
                             drop(turn.take());
                             set_priority(cp, &sandbox, cp.config.sweeps.command_priority);
                             run_started = Some(Instant::now());
-                            let deadline =
-                                tokio::time::Instant::now() + timeout + HOST_TIMEOUT_MARGIN;
+                            let deadline = tokio::time::Instant::now()
+                                + timeout
+                                + stop.kill_grace.unwrap_or_default()
+                                + HOST_TIMEOUT_MARGIN;
                             loop {
                                 tokio::select! {
                                     event = handle.next_event() => match event {
@@ -914,6 +922,31 @@ fn classify_agent_error(what: &str, e: AgentError) -> Ran {
     match e {
         AgentError::Guest { .. } => Ran::Failed(format!("{what}: {e}")),
         other => Ran::SandboxLost(format!("{what}: {other}")),
+    }
+}
+
+/// How a Slurm task is stopped at its time limit, from its `slurm` object:
+/// SIGTERM and SIGKILL `kill_wait_seconds` (at most 120) later, and the
+/// `--signal` warning before. A sweep without them is SIGKILLed at once.
+struct TimeLimitStop {
+    kill_grace: Option<Duration>,
+    warn_signal: Option<(i32, Duration)>,
+}
+
+fn time_limit_stop(slurm: Option<&Value>) -> TimeLimitStop {
+    let slurm = slurm.unwrap_or(&Value::Null);
+    let kill_grace = slurm
+        .get("kill_wait_seconds")
+        .and_then(Value::as_u64)
+        .map(|s| Duration::from_secs(s.min(MAX_KILL_WAIT_SECONDS)));
+    let warn_signal = slurm.get("signal").and_then(|w| {
+        let signal = i32::try_from(w.get("signal")?.as_u64()?).ok()?;
+        let before = w.get("before_seconds")?.as_u64()?;
+        Some((signal, Duration::from_secs(before.min(65_535))))
+    });
+    TimeLimitStop {
+        kill_grace,
+        warn_signal,
     }
 }
 

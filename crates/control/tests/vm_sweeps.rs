@@ -453,6 +453,32 @@ async fn timeouts_and_retries(server: &Server) {
         cells[1]
     );
     server.assert_nothing_left(id).await;
+
+    // A Slurm job's time limit: its --signal warning first, SIGTERM at the
+    // limit (it traps it and checkpoints), SIGKILL only after KillWait.
+    let sweep = server
+        .submit(json!({
+            "name": "checkpointing",
+            "template": "base",
+            "command": "trap 'echo warned' USR1; trap 'echo saved; exit 0' TERM; \
+                        while :; do sleep 0.2; done",
+            "cells": [0],
+            "timeout_seconds": 3,
+            "retries": 0,
+            "slurm": {"kill_wait_seconds": 20, "signal": {"signal": 10, "before_seconds": 1}},
+        }))
+        .await;
+    let id = sweep["id"].as_str().unwrap();
+    server.wait_finished(id, Duration::from_secs(180)).await;
+    let cells = server.cells(id).await;
+    assert_eq!(cells[0]["state"], "timeout", "{}", cells[0]);
+    assert_eq!(cells[0]["stdout"], "warned\nsaved\n", "{}", cells[0]);
+    assert!(
+        cells[0]["elapsed_ms"].as_u64().unwrap() < 15_000,
+        "it ended at SIGTERM, not at SIGKILL: {}",
+        cells[0]
+    );
+    server.assert_nothing_left(id).await;
 }
 
 /// Cancelling one running cell, then the whole sweep mid-way: the running

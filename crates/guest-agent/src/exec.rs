@@ -45,6 +45,11 @@ pub struct ExecSpec {
     pub env: BTreeMap<String, String>,
     pub cwd: Option<String>,
     pub timeout_ms: Option<u64>,
+    /// At the timeout: SIGTERM, then SIGKILL this much later (`None`:
+    /// SIGKILL at once).
+    pub kill_grace_ms: Option<u64>,
+    /// (signal, ms before the timeout): a warning the group may trap.
+    pub warn_signal: Option<(i32, u64)>,
     pub pty: Option<PtySize>,
     pub stdin: bool,
     /// Run as this user and group instead of root (the image's `USER`).
@@ -93,9 +98,7 @@ pub fn run(
                     crate::log(&format!("cannot start a stdin thread: {err}"));
                 }
             }
-            let deadline = spec
-                .timeout_ms
-                .map(|ms| started + Duration::from_millis(ms));
+            let stop = Stop::new(started, &spec);
             let ended = pump(
                 agent,
                 id,
@@ -103,7 +106,7 @@ pub fn run(
                 child.pid,
                 child.outputs,
                 &child.waker,
-                deadline,
+                stop,
             );
             agent.outbox.send_on(
                 &control.stream,
@@ -532,8 +535,90 @@ fn read_fully(file: &mut File, buf: &mut [u8]) -> usize {
     filled
 }
 
-/// Streams output until the exec is over (see the module doc), killing the
-/// group at the deadline.
+/// How an exec is stopped at its timeout: a warning signal before it,
+/// then SIGKILL, or SIGTERM and SIGKILL after a grace (as Slurm ends a job
+/// at its time limit).
+struct Stop {
+    deadline: Option<Instant>,
+    warn: Option<(i32, Instant)>,
+    grace: Option<Duration>,
+    warned: bool,
+    timed_out: bool,
+    kill_at: Option<Instant>,
+}
+
+impl Stop {
+    fn new(started: Instant, spec: &ExecSpec) -> Stop {
+        let deadline = spec.timeout_ms.map(|ms| started + Duration::from_millis(ms));
+        let warn = match (deadline, spec.warn_signal) {
+            // Only a catchable, real signal: 1 to 31 but SIGKILL and SIGSTOP.
+            (Some(d), Some((signal, before)))
+                if (1..32).contains(&signal)
+                    && signal != libc::SIGKILL
+                    && signal != libc::SIGSTOP =>
+            {
+                Some((
+                    signal,
+                    d.checked_sub(Duration::from_millis(before)).unwrap_or(started),
+                ))
+            }
+            _ => None,
+        };
+        Stop {
+            deadline,
+            warn,
+            grace: spec.kill_grace_ms.map(Duration::from_millis),
+            warned: false,
+            timed_out: false,
+            kill_at: None,
+        }
+    }
+
+    /// Sends what is due to group `pid` by now.
+    fn act(&mut self, pid: i32) {
+        let now = Instant::now();
+        // SAFETY (every kill below): kill has no memory effects; -pid is
+        // the exec's process group.
+        if let Some((signal, at)) = self.warn {
+            if !self.warned && now >= at {
+                unsafe { libc::kill(-pid, signal) };
+                self.warned = true;
+            }
+        }
+        if !self.timed_out && self.deadline.is_some_and(|d| now >= d) {
+            self.timed_out = true;
+            match self.grace {
+                Some(grace) => {
+                    unsafe { libc::kill(-pid, libc::SIGCONT) };
+                    unsafe { libc::kill(-pid, libc::SIGTERM) };
+                    self.kill_at = Some(now + grace);
+                }
+                None => unsafe {
+                    libc::kill(-pid, libc::SIGKILL);
+                },
+            }
+        }
+        if self.kill_at.is_some_and(|at| now >= at) {
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+            self.kill_at = None;
+        }
+    }
+
+    /// How long until the next thing is due (`None`: nothing is).
+    fn next(&self) -> Option<Duration> {
+        let warn = self.warn.filter(|_| !self.warned).map(|(_, at)| at);
+        let deadline = self.deadline.filter(|_| !self.timed_out);
+        [warn, deadline, self.kill_at]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|at| at.saturating_duration_since(Instant::now()))
+    }
+}
+
+/// Streams output until the exec is over (see the module doc), stopping
+/// the group at its timeout (`Stop`).
+#[allow(clippy::too_many_arguments)]
 fn pump(
     agent: &Agent,
     id: CallId,
@@ -541,21 +626,19 @@ fn pump(
     pid: i32,
     mut outputs: Vec<Output>,
     waker: &OwnedFd,
-    deadline: Option<Instant>,
+    mut stop: Stop,
 ) -> Ended {
     let stream = &control.stream;
     let mut status = None;
-    let mut timed_out = false;
     let mut buf = vec![0u8; MAX_CHUNK];
     loop {
         if status.is_none() {
             status = agent.reaper.take_status(pid);
         }
-        if status.is_none() && !timed_out && deadline.is_some_and(|d| Instant::now() >= d) {
-            // SAFETY: kill has no memory effects; -pid is the exec's group.
-            unsafe { libc::kill(-pid, libc::SIGKILL) };
-            timed_out = true;
+        if status.is_none() {
+            stop.act(pid);
         }
+        let timed_out = stop.timed_out;
         let any_open = outputs.iter().any(|o| o.open);
         if let (Some(status), false) = (status, any_open) {
             return Ended { status, timed_out };
@@ -563,10 +646,8 @@ fn pump(
         // How long we may sleep before the exit or the deadline needs us.
         let wait_limit = if status.is_some() {
             Some(DRAIN_IDLE)
-        } else if timed_out {
-            None
         } else {
-            deadline.map(|d| d.saturating_duration_since(Instant::now()))
+            stop.next()
         };
 
         let mut budget = if any_open {

@@ -371,6 +371,8 @@ fn dispatch(agent: &Arc<Agent>, frame: Frame<HostMsg>) {
             env,
             cwd,
             timeout_ms,
+            kill_grace_ms,
+            warn_signal,
             pty,
             stdin,
         } => {
@@ -388,6 +390,8 @@ fn dispatch(agent: &Arc<Agent>, frame: Frame<HostMsg>) {
                 env,
                 cwd,
                 timeout_ms,
+                kill_grace_ms,
+                warn_signal: warn_signal.map(|w| (w.signal, w.before_ms)),
                 pty,
                 stdin,
                 ids: None,

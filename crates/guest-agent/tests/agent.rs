@@ -168,6 +168,45 @@ async fn timeout_kills_the_whole_group() {
     assert!(matches!(handle.next_event().await, Err(AgentError::Closed)));
 }
 
+/// As Slurm ends a job at its time limit: the `--signal` warning before,
+/// SIGTERM at the timeout (a job traps it to checkpoint), SIGKILL after the
+/// grace for what ignores it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_with_a_grace_warns_then_terms_then_kills() {
+    let (_agent, client) = Agent::client().await;
+    let started = Instant::now();
+    let script = "trap 'echo warned' USR1; trap 'echo checkpoint; exit 0' TERM; \
+                  i=0; while [ $i -lt 200 ]; do sleep 0.1; i=$((i+1)); done";
+    let out = client
+        .exec_collect(ExecRequest {
+            timeout: Some(Duration::from_millis(1500)),
+            kill_grace: Some(Duration::from_secs(5)),
+            warn_signal: Some((10, Duration::from_millis(1000))),
+            ..ExecRequest::new(script)
+        })
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout, "warned\ncheckpoint\n", "{out:?}");
+    // It exited by itself within the grace, and is still a timeout.
+    assert!(out.status.timed_out && out.status.code == Some(0), "{:?}", out.status);
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+
+    // What ignores SIGTERM is killed when the grace ends.
+    let started = Instant::now();
+    let out = client
+        .exec_collect(ExecRequest {
+            timeout: Some(Duration::from_millis(500)),
+            kill_grace: Some(Duration::from_millis(1000)),
+            ..ExecRequest::new("trap '' TERM; sleep 30 & wait; sleep 30")
+        })
+        .await
+        .unwrap();
+    assert!(out.status.timed_out && out.status.signal == Some(9), "{:?}", out.status);
+    let took = started.elapsed();
+    assert!((Duration::from_millis(1400)..Duration::from_secs(5)).contains(&took), "{took:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn background_daemons_do_not_hold_the_exec() {
     let (_agent, client) = Agent::client().await;
@@ -522,6 +561,8 @@ async fn the_agent_respects_the_credit_window() {
         env: Default::default(),
         cwd: None,
         timeout_ms: None,
+        kill_grace_ms: None,
+        warn_signal: None,
         pty: None,
         stdin: false,
     };
@@ -582,6 +623,8 @@ async fn a_new_hello_silences_the_previous_hosts_calls() {
         env: Default::default(),
         cwd: None,
         timeout_ms: None,
+        kill_grace_ms: None,
+        warn_signal: None,
         pty: None,
         stdin: false,
     };

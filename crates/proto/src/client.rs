@@ -120,6 +120,11 @@ pub struct ExecRequest {
     pub cwd: Option<String>,
     /// Kills the whole process group when it passes.
     pub timeout: Option<Duration>,
+    /// At the timeout, SIGTERM first and SIGKILL this long after (Slurm's
+    /// KillWait); `None`: SIGKILL at once.
+    pub kill_grace: Option<Duration>,
+    /// This signal, this long before the timeout (Slurm's `--signal`).
+    pub warn_signal: Option<(i32, Duration)>,
     /// Runs on a PTY of this size; all output then comes as stdout.
     pub pty: Option<PtySize>,
     /// Keeps stdin open for [`ExecHandle::send_stdin`]; otherwise it is
@@ -694,6 +699,13 @@ impl AgentClient {
             timeout_ms: req
                 .timeout
                 .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            kill_grace_ms: req
+                .kill_grace
+                .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+            warn_signal: req.warn_signal.map(|(signal, before)| crate::WarnSignal {
+                signal,
+                before_ms: u64::try_from(before.as_millis()).unwrap_or(u64::MAX),
+            }),
             pty: req.pty,
             stdin: req.stdin,
         };

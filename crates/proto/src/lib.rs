@@ -100,6 +100,14 @@ pub struct PtySize {
     pub cols: u16,
 }
 
+/// A signal sent to an exec's process group `before_ms` before its
+/// timeout (a job's chance to checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarnSignal {
+    pub signal: i32,
+    pub before_ms: u64,
+}
+
 /// A message from the host to the guest agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -120,6 +128,13 @@ pub enum HostMsg {
         cwd: Option<String>,
         #[serde(default)]
         timeout_ms: Option<u64>,
+        /// At the timeout, SIGCONT and SIGTERM the group, and SIGKILL it
+        /// this long after (Slurm's KillWait); absent: SIGKILL at once.
+        #[serde(default)]
+        kill_grace_ms: Option<u64>,
+        /// A signal for the group before the timeout (Slurm's `--signal`).
+        #[serde(default)]
+        warn_signal: Option<WarnSignal>,
         /// Run on a PTY of this size (stdout carries the terminal output,
         /// nothing comes on stderr).
         #[serde(default)]
@@ -494,6 +509,8 @@ mod tests {
                 env: BTreeMap::new(),
                 cwd: None,
                 timeout_ms: None,
+                kill_grace_ms: None,
+                warn_signal: None,
                 pty: None,
                 stdin: false
             }

@@ -40,7 +40,7 @@ pub use pattern::{
 };
 pub use script::{
     parse_script, parse_script_with_args, BatchScript, DepCondition, DepKind, Dependency,
-    Directives, Refusal, ScriptWarning, TimeLimit,
+    Directives, Refusal, ScriptWarning, TimeLimit, WarnSignal,
 };
 pub use time::{
     format_elapsed, format_squeue_time, format_total_cpu, parse_time_limit, round_up_to_minute,

@@ -111,6 +111,8 @@ pub struct Directives {
     pub chdir: Option<String>,
     /// `--parsable`: print only the job id on submission.
     pub parsable: bool,
+    /// `--signal`: a signal sent this many seconds before the time limit.
+    pub signal: Option<WarnSignal>,
     /// `--export`: which of the submitting shell's variables the tasks get
     /// (`None`: ALL, as Slurm).
     pub export: Option<String>,
@@ -415,6 +417,7 @@ enum Key {
     Time,
     Parsable,
     Export,
+    Signal,
     Ignored(&'static str),
 }
 
@@ -473,7 +476,7 @@ fn long_option(name: &str) -> Option<(Key, Arg)> {
             let arg = if name == "hold" { None } else { Required };
             (Ignored("the job starts as soon as sandboxes are free"), arg)
         }
-        "signal" => (Ignored("no signal is sent before the time limit"), Required),
+        "signal" => (Signal, Required),
         "input" => (Ignored("standard input is /dev/null"), Required),
         "tmp" => (Ignored("disk space comes with the template"), Required),
         "open-mode"
@@ -765,6 +768,7 @@ impl OptionParser {
             Key::Requeue => d.requeue = Some(true),
             Key::NoRequeue => d.requeue = Some(false),
             Key::Parsable => d.parsable = true,
+            Key::Signal => d.signal = Some(parse_signal(&v).map_err(wrap)?),
             Key::Export => {
                 // Checked now, so a bad list stops the submission.
                 crate::export::exported_environment(Some(&v), std::iter::empty()).map_err(wrap)?;
@@ -1437,9 +1441,82 @@ fn apply_edits(text: &str, edits: &[(std::ops::Range<usize>, String)]) -> String
     out
 }
 
+/// `--signal=[{R|B}:]SIG[@TIME]`: `SIG` (a number or a name such as `USR1`
+/// or `SIGUSR1`) sent `TIME` seconds (default 60, at most 65535) before the
+/// time limit. Shoal signals the task's whole process group, so `B:` (the
+/// batch shell only) and `R:` are accepted and mean the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarnSignal {
+    pub signal: i32,
+    pub before_seconds: u32,
+}
+
+/// Signal names sbatch(1) and kill(1) know, with their Linux numbers.
+const SIGNALS: &[(&str, i32)] = &[
+    ("HUP", 1), ("INT", 2), ("QUIT", 3), ("ABRT", 6), ("KILL", 9), ("USR1", 10), ("SEGV", 11),
+    ("USR2", 12), ("PIPE", 13), ("ALRM", 14), ("TERM", 15), ("CONT", 18), ("STOP", 19),
+    ("TSTP", 20), ("TTIN", 21), ("TTOU", 22), ("URG", 23), ("XCPU", 24), ("XFSZ", 25),
+    ("VTALRM", 26), ("PROF", 27), ("WINCH", 28), ("IO", 29), ("PWR", 30), ("SYS", 31),
+];
+
+pub(crate) fn parse_signal(value: &str) -> Result<WarnSignal, SlurmError> {
+    let invalid = |reason: &str| SlurmError::InvalidCount {
+        value: value.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let rest = value
+        .strip_prefix("B:")
+        .or_else(|| value.strip_prefix("R:"))
+        .or_else(|| value.strip_prefix("RB:"))
+        .or_else(|| value.strip_prefix("BR:"))
+        .unwrap_or(value);
+    let (name, time) = match rest.split_once('@') {
+        Some((name, time)) => (name, Some(time)),
+        None => (rest, None),
+    };
+    let upper = name.to_ascii_uppercase();
+    let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+    let signal = match bare.parse::<i32>() {
+        Ok(n) if (1..=31).contains(&n) => n,
+        Ok(_) => return Err(invalid("a signal number is 1 to 31")),
+        Err(_) => SIGNALS
+            .iter()
+            .find(|(n, _)| *n == bare)
+            .map(|(_, number)| *number)
+            .ok_or_else(|| invalid("expected [B:]SIGNAL[@SECONDS], e.g. USR1@120"))?,
+    };
+    if signal == 9 || signal == 19 {
+        return Err(invalid("KILL and STOP cannot be caught: a job could not act on them"));
+    }
+    let before_seconds = match time {
+        None => 60,
+        Some(t) => t
+            .parse::<u32>()
+            .ok()
+            .filter(|t| *t <= 65535)
+            .ok_or_else(|| invalid("the time is 0 to 65535 seconds"))?,
+    };
+    Ok(WarnSignal {
+        signal,
+        before_seconds,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signal_takes_slurms_forms() {
+        let sig = |v| parse_signal(v).map(|w| (w.signal, w.before_seconds));
+        assert_eq!(sig("USR1"), Ok((10, 60)));
+        assert_eq!(sig("B:SIGUSR2@120"), Ok((12, 120)));
+        assert_eq!(sig("R:15@30"), Ok((15, 30)));
+        assert_eq!(sig("term@0"), Ok((15, 0)));
+        for bad in ["KILL", "9@10", "USR1@-1", "USR1@70000", "NOPE", "40"] {
+            assert!(sig(bad).is_err(), "{bad}");
+        }
+    }
 
     const SHEBANG: &str = "#!/bin/bash\n";
 

@@ -33,6 +33,9 @@ const SRUN: &str = include_str!("srun.sh");
 
 /// `--time` not given: Slurm takes the partition's default; Shoal's is an hour.
 const DEFAULT_TIME_SECONDS: u64 = 3600;
+/// Seconds between SIGTERM and SIGKILL at the time limit: Slurm's default
+/// KillWait.
+const KILL_WAIT_SECONDS: u64 = 30;
 /// `--time=UNLIMITED`: the longest a sweep's attempt may run.
 const UNLIMITED_TIME_SECONDS: u64 = 30 * 86400;
 
@@ -391,6 +394,9 @@ pub fn sweep_request(
             "mem_per_cpu_mib": d.mem_per_cpu_mib,
             "requeue": d.requeue.unwrap_or(true),
             "time_limit_seconds": timeout,
+            // At the limit: SIGTERM, then SIGKILL after KillWait; --signal before.
+            "kill_wait_seconds": KILL_WAIT_SECONDS,
+            "signal": d.signal.map(|w| json!({"signal": w.signal, "before_seconds": w.before_seconds})),
             "cluster_name": config.cluster_name(),
             // A task's VM: the template's size, or fewer CPUs where the
             // job asked for fewer (the runner sizes it the same way).
