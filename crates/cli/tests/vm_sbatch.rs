@@ -73,6 +73,8 @@ impl User {
             .env("SHOAL_API", &self.api)
             .env("SHOAL_API_KEY", &self.token)
             .env("USER", "ada")
+            // Exported to the tasks by --export's default, ALL.
+            .env("MY_PARAM", "from-the-shell")
             .env("SHOAL_SLURM_CONFIG", self.dir.join("no-config.json"))
             .env_remove("SHOAL_PARTITIONS")
             .output()
@@ -371,6 +373,28 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
         Duration::from_secs(60),
     );
     assert_eq!(log, format!("array=none job={fail}\nbad input\n"));
+
+    // --wrap, with the shell's variables (--export=ALL) or none of them.
+    let (wrapped, _) = user.sbatch(&[
+        "--wrap",
+        "echo wrapped $MY_PARAM $SLURM_JOB_NAME",
+        "--output=wrap.out",
+    ]);
+    let (bare, _) = user.sbatch(&[
+        "--export=NONE",
+        "--output=none.out",
+        "--wrap=echo \"[${MY_PARAM:-unset}]\"",
+    ]);
+    user.wait_states(wrapped, 1, &["COMPLETED"], Duration::from_secs(180));
+    user.wait_states(bare, 1, &["COMPLETED"], Duration::from_secs(180));
+    assert_eq!(
+        wait_for_file(&submit.join("wrap.out"), Duration::from_secs(60)),
+        "wrapped from-the-shell wrap\n"
+    );
+    assert_eq!(
+        wait_for_file(&submit.join("none.out"), Duration::from_secs(60)),
+        "[unset]\n"
+    );
 
     // A sandbox promoted to a template is a partition; `--cpus-per-task`
     // and `--mem` give the task a VM of that size, not the template's.
