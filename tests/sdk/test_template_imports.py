@@ -106,6 +106,19 @@ def _oci_archive(path):
             _add(tar, f"blobs/sha256/{digest}", data)
 
 
+def _assert_runs_the_oci_image(client, template):
+    """A sandbox of `template` (the image of `_oci_image`) runs exec with the
+    image's WorkingDir and Env, its upper layer's file and its whiteout."""
+    sandbox = client.sandboxes.create(template=template)
+    try:
+        out = sandbox.exec('pwd; echo "$GREETING"; cat hello.txt; test -e /etc/motd && echo motd || echo whited-out')
+        assert out.stdout.splitlines() == [
+            "/work", "from-the-image-config", "from the upper layer", "whited-out",
+        ], out.stdout
+    finally:
+        sandbox.kill()
+
+
 def _no_snapshots(shoal, token):
     body = shoal.http(token).get(f"{shoal.url}/v1/snapshots", timeout=30).json()
     items = next((v for v in body.values() if isinstance(v, list)), []) if isinstance(body, dict) else body
@@ -155,14 +168,7 @@ def test_an_oci_image_archive_becomes_a_template_with_its_layers_and_config(shoa
     assert build.status == "done", (build, log)
     assert any("2 layer(s)" in line for line in log), log
 
-    sandbox = client.sandboxes.create(template="tiny-oci")
-    try:
-        out = sandbox.exec('pwd; echo "$GREETING"; cat hello.txt; test -e /etc/motd && echo motd || echo whited-out')
-        assert out.stdout.splitlines() == [
-            "/work", "from-the-image-config", "from the upper layer", "whited-out",
-        ], out.stdout
-    finally:
-        sandbox.kill()
+    _assert_runs_the_oci_image(client, "tiny-oci")
 
 
 def test_an_image_in_a_trusted_registry_is_pulled_and_becomes_a_template(shoal, registry, make_account):
@@ -186,14 +192,7 @@ def test_an_image_in_a_trusted_registry_is_pulled_and_becomes_a_template(shoal, 
     assert any(manifest["digest"] in line for line in log), log
     assert sum("pulling layer" in line for line in log) == 2, log
 
-    sandbox = client.sandboxes.create(template="tiny-pulled")
-    try:
-        out = sandbox.exec('pwd; echo "$GREETING"; cat hello.txt; test -e /etc/motd && echo motd || echo whited-out')
-        assert out.stdout.splitlines() == [
-            "/work", "from-the-image-config", "from the upper layer", "whited-out",
-        ], out.stdout
-    finally:
-        sandbox.kill()
+    _assert_runs_the_oci_image(client, "tiny-pulled")
 
     # The tag still names the same manifest: a cache hit, nothing pulled.
     again = client.templates.register("tiny-pulled", reference, size_mb=256)

@@ -995,25 +995,47 @@ mod tests {
         );
     }
 
+    /// Resolves tag v1 of a registry `fill` makes and pulls it into a fresh
+    /// layout under `dir` with `budget`: the pull's error, the registry.
+    async fn failed_pull(
+        fill: impl FnOnce(&mut Served),
+        dir: &Path,
+        budget: u64,
+    ) -> (PullError, Shared, Resolved) {
+        let (registry, served) = registry_with(fill).await;
+        let mut puller = Puller::new(&registry, "lab/tiny")
+            .unwrap()
+            .with_stall(Duration::from_millis(300));
+        let image = puller.resolve("v1").await.unwrap();
+        let layout = dir.join(format!("{:x}", rand::random::<u64>()));
+        let err = puller
+            .pull(&image, &layout, budget, &|_| {})
+            .await
+            .unwrap_err();
+        (err, served, image)
+    }
+
+    /// `fill`, with the blob of layer `index` of the image marked by `mark`.
+    fn with_layer(index: usize, mark: fn(&mut Served, String)) -> impl FnOnce(&mut Served) {
+        move |s: &mut Served| {
+            let (manifest, _) = two_layer_image(s);
+            let digest = manifest["layers"][index]["digest"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            mark(s, digest);
+        }
+    }
+
     #[tokio::test]
     async fn a_hostile_registry_fails_the_pull_and_leaves_no_blob_named() {
-        // A blob whose bytes are not its digest's.
-        let (registry, served) = registry_with(|s| {
-            let (manifest, _) = two_layer_image(s);
-            let upper = manifest["layers"][1]["digest"].as_str().unwrap().to_owned();
-            s.tampered.insert(upper, b"other layer bytes".to_vec());
-        })
-        .await;
-        let mut puller = Puller::new(&registry, "lab/tiny").unwrap();
-        let image = puller.resolve("v1").await.unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let fresh = || dir.path().join(format!("{:x}", rand::random::<u64>()));
-        let err = puller
-            .pull(&image, &fresh(), 1 << 20, &|_| {})
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("another digest"), "{err}");
+        // A blob whose bytes are not its digest's.
+        let tampered = with_layer(1, |s, d| {
+            s.tampered.insert(d, b"other layer bytes".to_vec());
+        });
+        let (err, _, image) = failed_pull(tampered, dir.path(), 1 << 20).await;
+        assert!(err.to_string().contains("another digest"), "{err}");
         let upper = image.layers[1].digest.trim_start_matches("sha256:");
         assert!(!std::fs::read_dir(dir.path()).unwrap().any(|layout| layout
             .unwrap()
@@ -1021,63 +1043,45 @@ mod tests {
             .join("blobs/sha256")
             .join(upper)
             .exists()));
-        drop(served);
 
         // A blob longer than it was declared.
-        let (registry, _served) = registry_with(|s| {
-            let (manifest, _) = two_layer_image(s);
-            let upper = manifest["layers"][1]["digest"].as_str().unwrap().to_owned();
-            s.tampered.insert(upper, vec![0u8; 1 << 16]);
-        })
-        .await;
-        let mut puller = Puller::new(&registry, "lab/tiny").unwrap();
-        let image = puller.resolve("v1").await.unwrap();
-        let err = puller
-            .pull(&image, &fresh(), 1 << 20, &|_| {})
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("longer than"), "{err}");
+        let long = with_layer(1, |s, d| {
+            s.tampered.insert(d, vec![0u8; 1 << 16]);
+        });
+        let (err, _, _) = failed_pull(long, dir.path(), 1 << 20).await;
+        assert!(err.to_string().contains("longer than"), "{err}");
 
         // Layers over the disk are refused before a byte of them is fetched.
-        let (registry, served) = registry_with(|s| {
+        let (err, served, _) = failed_pull(
+            |s| {
+                two_layer_image(s);
+            },
+            dir.path(),
+            1000,
+        )
+        .await;
+        assert!(matches!(err, PullError::Refused(_)), "{err}");
+        let requests = served.lock().unwrap().requests.clone();
+        assert!(
+            !requests.iter().any(|r| r.starts_with("blob")),
+            "{requests:?}"
+        );
+
+        // A blob that stops sending.
+        let stalled = with_layer(0, |s, d| s.stalled.push(d));
+        let (err, _, _) = failed_pull(stalled, dir.path(), 1 << 20).await;
+        assert!(err.to_string().contains("stalled"), "{err}");
+
+        // An unknown tag names itself.
+        let (registry, _served) = registry_with(|s| {
             two_layer_image(s);
         })
         .await;
-        let mut puller = Puller::new(&registry, "lab/tiny").unwrap();
-        let image = puller.resolve("v1").await.unwrap();
-        let err = puller
-            .pull(&image, &fresh(), 1000, &|_| {})
+        let err = Puller::new(&registry, "lab/tiny")
+            .unwrap()
+            .resolve("v2")
             .await
             .unwrap_err();
-        assert!(matches!(err, PullError::Refused(_)), "{err}");
-        assert!(!served
-            .lock()
-            .unwrap()
-            .requests
-            .iter()
-            .any(|r| r.starts_with("blob")));
-
-        // A blob that stops sending.
-        let (registry, _served) = registry_with(|s| {
-            let (manifest, _) = two_layer_image(s);
-            let lower = manifest["layers"][0]["digest"].as_str().unwrap().to_owned();
-            s.stalled.push(lower);
-        })
-        .await;
-        let mut puller = Puller::new(&registry, "lab/tiny")
-            .unwrap()
-            .with_stall(Duration::from_millis(300));
-        let image = puller.resolve("v1").await.unwrap();
-        let err = puller
-            .pull(&image, &fresh(), 1 << 20, &|_| {})
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("stalled"), "{err}");
-
-        // An unknown tag names itself.
-        let err = puller.resolve("v2").await.unwrap_err();
         assert!(
             matches!(&err, PullError::Refused(m) if m.contains("manifests/v2") && m.contains("manifest unknown")),
             "{err}"

@@ -150,13 +150,9 @@ async fn snapshots_are_routed_to_the_host_that_holds_them() {
 /// to the snapshot's host, as does naming a sandbox or snapshot as a
 /// template; another account's name pins nothing and its ids stop at the
 /// front.
-#[tokio::test]
-async fn an_accounts_templates_go_where_their_snapshot_is() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, url) = common::two_hosts(dir.path()).await;
-    let token = store.create_token("alice", Tier::Team).await.unwrap();
-    let alice = store.authenticate(&token).await.unwrap().unwrap();
-    let bob = store.create_token("bob", Tier::Team).await.unwrap();
+/// Alice's templates `tools` (its snapshot on h1) and `stranded` (its
+/// snapshot on a host that is gone).
+async fn templates_on_h1_and_a_gone_host(store: &shoal_store::Store, alice: &shoal_store::Account) {
     for (id, host) in [("snap-on-h1", "h1"), ("snap-on-gone", "h-gone")] {
         store
             .insert_snapshot(&SnapshotRow {
@@ -186,6 +182,16 @@ async fn an_accounts_templates_go_where_their_snapshot_is() {
         };
         store.insert_template(&alice, &row, 10).await.unwrap();
     }
+}
+
+#[tokio::test]
+async fn an_accounts_templates_go_where_their_snapshot_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, url) = common::two_hosts(dir.path()).await;
+    let token = store.create_token("alice", Tier::Team).await.unwrap();
+    let alice = store.authenticate(&token).await.unwrap().unwrap();
+    let bob = store.create_token("bob", Tier::Team).await.unwrap();
+    templates_on_h1_and_a_gone_host(&store, &alice).await;
     let on_h1 = shoal_store::NewSandbox {
         id: "sb-on-h1".into(),
         template: "base".into(),
@@ -375,35 +381,7 @@ async fn builds_go_where_their_from_template_is() {
     let (store, url) = common::two_hosts(dir.path()).await;
     let token = store.create_token("alice", Tier::Team).await.unwrap();
     let alice = store.authenticate(&token).await.unwrap().unwrap();
-    for (id, host) in [("snap-on-h1", "h1"), ("snap-on-gone", "h-gone")] {
-        store
-            .insert_snapshot(&SnapshotRow {
-                id: id.into(),
-                account_id: alice.id,
-                sandbox_id: None,
-                template: "base".into(),
-                size_bytes: Some(1),
-                host: Some(host.into()),
-                created_at: now(),
-                vcpus: None,
-                memory_mib: None,
-            })
-            .await
-            .unwrap();
-    }
-    for (name, snapshot) in [("tools", "snap-on-h1"), ("stranded", "snap-on-gone")] {
-        let row = shoal_store::TemplateRow {
-            account_id: alice.id,
-            name: name.into(),
-            snapshot_id: snapshot.into(),
-            base: "base".into(),
-            start_cmd: None,
-            ready_cmd: None,
-            published: false,
-            created_at: now(),
-        };
-        store.insert_template(&alice, &row, 10).await.unwrap();
-    }
+    templates_on_h1_and_a_gone_host(&store, &alice).await;
     let address = common::serve_front(&store, &url).await;
     let http = reqwest::Client::new();
     let build_url = format!("http://{address}/v1/templates/build");

@@ -549,7 +549,9 @@ struct Stop {
 
 impl Stop {
     fn new(started: Instant, spec: &ExecSpec) -> Stop {
-        let deadline = spec.timeout_ms.map(|ms| started + Duration::from_millis(ms));
+        let deadline = spec
+            .timeout_ms
+            .map(|ms| started + Duration::from_millis(ms));
         let warn = match (deadline, spec.warn_signal) {
             // Only a catchable, real signal: 1 to 31 but SIGKILL and SIGSTOP.
             (Some(d), Some((signal, before)))
@@ -559,7 +561,8 @@ impl Stop {
             {
                 Some((
                     signal,
-                    d.checked_sub(Duration::from_millis(before)).unwrap_or(started),
+                    d.checked_sub(Duration::from_millis(before))
+                        .unwrap_or(started),
                 ))
             }
             _ => None,

@@ -189,8 +189,16 @@ async fn a_timeout_with_a_grace_warns_then_terms_then_kills() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(stdout, "warned\ncheckpoint\n", "{out:?}");
     // It exited by itself within the grace, and is still a timeout.
-    assert!(out.status.timed_out && out.status.code == Some(0), "{:?}", out.status);
-    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert!(
+        out.status.timed_out && out.status.code == Some(0),
+        "{:?}",
+        out.status
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
 
     // What ignores SIGTERM is killed when the grace ends.
     let started = Instant::now();
@@ -202,9 +210,16 @@ async fn a_timeout_with_a_grace_warns_then_terms_then_kills() {
         })
         .await
         .unwrap();
-    assert!(out.status.timed_out && out.status.signal == Some(9), "{:?}", out.status);
+    assert!(
+        out.status.timed_out && out.status.signal == Some(9),
+        "{:?}",
+        out.status
+    );
     let took = started.elapsed();
-    assert!((Duration::from_millis(1400)..Duration::from_secs(5)).contains(&took), "{took:?}");
+    assert!(
+        (Duration::from_millis(1400)..Duration::from_secs(5)).contains(&took),
+        "{took:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

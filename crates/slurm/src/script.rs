@@ -1453,10 +1453,31 @@ pub struct WarnSignal {
 
 /// Signal names sbatch(1) and kill(1) know, with their Linux numbers.
 const SIGNALS: &[(&str, i32)] = &[
-    ("HUP", 1), ("INT", 2), ("QUIT", 3), ("ABRT", 6), ("KILL", 9), ("USR1", 10), ("SEGV", 11),
-    ("USR2", 12), ("PIPE", 13), ("ALRM", 14), ("TERM", 15), ("CONT", 18), ("STOP", 19),
-    ("TSTP", 20), ("TTIN", 21), ("TTOU", 22), ("URG", 23), ("XCPU", 24), ("XFSZ", 25),
-    ("VTALRM", 26), ("PROF", 27), ("WINCH", 28), ("IO", 29), ("PWR", 30), ("SYS", 31),
+    ("HUP", 1),
+    ("INT", 2),
+    ("QUIT", 3),
+    ("ABRT", 6),
+    ("KILL", 9),
+    ("USR1", 10),
+    ("SEGV", 11),
+    ("USR2", 12),
+    ("PIPE", 13),
+    ("ALRM", 14),
+    ("TERM", 15),
+    ("CONT", 18),
+    ("STOP", 19),
+    ("TSTP", 20),
+    ("TTIN", 21),
+    ("TTOU", 22),
+    ("URG", 23),
+    ("XCPU", 24),
+    ("XFSZ", 25),
+    ("VTALRM", 26),
+    ("PROF", 27),
+    ("WINCH", 28),
+    ("IO", 29),
+    ("PWR", 30),
+    ("SYS", 31),
 ];
 
 pub(crate) fn parse_signal(value: &str) -> Result<WarnSignal, SlurmError> {
@@ -1486,7 +1507,9 @@ pub(crate) fn parse_signal(value: &str) -> Result<WarnSignal, SlurmError> {
             .ok_or_else(|| invalid("expected [B:]SIGNAL[@SECONDS], e.g. USR1@120"))?,
     };
     if signal == 9 || signal == 19 {
-        return Err(invalid("KILL and STOP cannot be caught: a job could not act on them"));
+        return Err(invalid(
+            "KILL and STOP cannot be caught: a job could not act on them",
+        ));
     }
     let before_seconds = match time {
         None => 60,

@@ -532,6 +532,19 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
 mod tests {
     use super::*;
 
+    /// User `a` on host `h`, in `/home/a/run`, with this shell environment.
+    fn submitter(environment: &[(&str, &str)]) -> Submitter {
+        Submitter {
+            submit_dir: "/home/a/run".into(),
+            user: "a".into(),
+            host: "h".into(),
+            environment: environment
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
     /// `srun` as a task runs it: from its directory, under POSIX `sh`.
     fn srun(args: &[&str]) -> (i32, String, String) {
         let dir = tempfile::tempdir().unwrap();
@@ -572,16 +585,11 @@ mod tests {
 
     #[test]
     fn export_chooses_the_tasks_variables() {
-        let who = Submitter {
-            submit_dir: "/home/a/run".into(),
-            user: "a".into(),
-            host: "h".into(),
-            environment: vec![
-                ("MY_PARAM".into(), "7".into()),
-                ("OTHER".into(), "x".into()),
-                ("PATH".into(), "/home/a/bin:/usr/bin".into()),
-            ],
-        };
+        let who = submitter(&[
+            ("MY_PARAM", "7"),
+            ("OTHER", "x"),
+            ("PATH", "/home/a/bin:/usr/bin"),
+        ]);
         let t = &templates()[0];
         let env = |options: &[&str]| {
             let script = read_script("#!/bin/sh\necho\n", &strings(options)).unwrap();
@@ -758,15 +766,7 @@ mod tests {
             &strings(&["--dependency=afterok:1000"]),
         )
         .unwrap();
-        let who = Submitter {
-            submit_dir: "/home/a/run".into(),
-            user: "a".into(),
-            host: "h".into(),
-            environment: vec![
-                ("MY_PARAM".into(), "7".into()),
-                ("HOME".into(), "/home/a".into()),
-            ],
-        };
+        let who = submitter(&[("MY_PARAM", "7"), ("HOME", "/home/a")]);
         let t = &templates()[0];
         let body =
             sweep_request(&script, Some("job.sh"), &[], t, &who, &Config::default()).unwrap();
