@@ -418,6 +418,43 @@ pub fn default_sacct_fields() -> Vec<FieldSpec> {
     .collect()
 }
 
+/// `sacct -l`: the long listing, as far as Shoal measures the fields
+/// (sacct's own adds step, VM-size, page and frequency fields it has none of).
+pub fn long_sacct_fields() -> Vec<FieldSpec> {
+    use SacctField as F;
+    [
+        F::JobID,
+        F::JobIDRaw,
+        F::JobName,
+        F::Partition,
+        F::MaxRSS,
+        F::AllocCPUS,
+        F::ReqMem,
+        F::Elapsed,
+        F::CPUTime,
+        F::TotalCPU,
+        F::State,
+        F::ExitCode,
+        F::Submit,
+        F::Start,
+        F::End,
+        F::NodeList,
+        F::Timelimit,
+        F::Cost,
+    ]
+    .into_iter()
+    .map(FieldSpec::from)
+    .collect()
+}
+
+/// Whether `record` ran (or waited) within `[start, end]` (unix seconds;
+/// `now` for what has not ended): sacct's `-S`/`-E` window.
+pub fn within_window(record: &JobRecord, start: Option<i64>, end: Option<i64>, now: i64) -> bool {
+    let began = record.start.or(record.submit).unwrap_or(now);
+    let ended = record.end.unwrap_or(now);
+    start.is_none_or(|s| ended >= s) && end.is_none_or(|e| began <= e)
+}
+
 /// Parses a `--format` value such as `JobID,JobName%20,State,MaxRSS%-12`:
 /// names in any case, an optional `%N` width (`%-N` left-aligns), empty
 /// elements skipped. An unknown name is sacct's error

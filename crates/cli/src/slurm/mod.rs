@@ -75,6 +75,23 @@ pub struct SacctArgs {
     /// an allocation.
     #[arg(short = 'X', long = "allocations")]
     pub allocations: bool,
+    /// Jobs that ran or waited at or after this time (YYYY-MM-DD[THH:MM[:SS]],
+    /// HH:MM[:SS] today, now[-N{seconds|minutes|hours|days|weeks}], today,
+    /// midnight, noon). Default without -j: 00:00 today, as sacct.
+    #[arg(short = 'S', long = "starttime")]
+    pub starttime: Option<String>,
+    /// Jobs that started (or were submitted) at or before this time; the same forms.
+    #[arg(short = 'E', long = "endtime")]
+    pub endtime: Option<String>,
+    /// Only these states (comma-separated: CD,F or COMPLETED,FAILED).
+    #[arg(short = 's', long = "state")]
+    pub state: Option<String>,
+    /// Only jobs of these names (comma-separated).
+    #[arg(long = "name")]
+    pub name: Option<String>,
+    /// The long field list (as far as Shoal measures it).
+    #[arg(short = 'l', long = "long")]
+    pub long: bool,
 }
 
 #[derive(Args)]
@@ -133,6 +150,11 @@ pub async fn sacct(args: SacctArgs) -> Result<ExitCode> {
         parsable: args.parsable,
         parsable2: args.parsable2,
         noheader: args.noheader,
+        starttime: args.starttime,
+        endtime: args.endtime,
+        state: args.state,
+        name: args.name,
+        long: args.long,
     };
     views::sacct(&api()?, &a).await?;
     Ok(ExitCode::SUCCESS)

@@ -191,33 +191,127 @@ pub async fn squeue(api: &Api, query: &SqueueQuery) -> Result<()> {
     Ok(())
 }
 
-/// How `shoal sacct` prints.
+/// How `shoal sacct` chooses and prints.
 pub struct SacctArgs {
     pub jobs: Vec<String>,
     pub format: Option<String>,
     pub parsable: bool,
     pub parsable2: bool,
     pub noheader: bool,
+    pub starttime: Option<String>,
+    pub endtime: Option<String>,
+    pub state: Option<String>,
+    pub name: Option<String>,
+    pub long: bool,
+}
+
+/// A time as sacct's `-S`/`-E` take it, in unix seconds (local time):
+/// `YYYY-MM-DD[THH:MM[:SS]]`, `HH:MM[:SS]` (today), `now[-N[unit]]`
+/// (`now-2hours`, `now-3days`; a bare number is seconds), `today`,
+/// `midnight` (00:00 today), `noon`.
+pub fn parse_sacct_time(value: &str, now: chrono::DateTime<chrono::Local>) -> Result<i64> {
+    use chrono::{Local, NaiveDate, NaiveDateTime, NaiveTime, TimeZone};
+    let v = value.trim();
+    let lower = v.to_ascii_lowercase();
+    let at_today = |t: NaiveTime| {
+        Local
+            .from_local_datetime(&now.date_naive().and_time(t))
+            .earliest()
+            .map(|d| d.timestamp())
+    };
+    let found = match lower.as_str() {
+        "now" => Some(now.timestamp()),
+        "today" | "midnight" => at_today(NaiveTime::MIN),
+        "noon" => at_today(NaiveTime::from_hms_opt(12, 0, 0).expect("noon")),
+        _ if lower.starts_with("now-") || lower.starts_with("now+") => {
+            let sign = if lower.as_bytes()[3] == b'-' { -1 } else { 1 };
+            let rest = &lower[4..];
+            let digits = rest
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(rest.len());
+            let n: i64 = rest[..digits].parse().ok().unwrap_or(-1);
+            let unit = match &rest[digits..] {
+                "" | "s" | "sec" | "secs" | "second" | "seconds" => Some(1),
+                "m" | "min" | "mins" | "minute" | "minutes" => Some(60),
+                "h" | "hour" | "hours" => Some(3600),
+                "d" | "day" | "days" => Some(86_400),
+                "w" | "week" | "weeks" => Some(7 * 86_400),
+                _ => None,
+            };
+            unit.filter(|_| n >= 0)
+                .map(|u| now.timestamp() + sign * n * u)
+        }
+        _ => {
+            let datetime = ["%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M"]
+                .iter()
+                .find_map(|f| NaiveDateTime::parse_from_str(v, f).ok())
+                .or_else(|| {
+                    NaiveDate::parse_from_str(v, "%Y-%m-%d")
+                        .ok()
+                        .map(|d| d.and_time(NaiveTime::MIN))
+                });
+            match datetime {
+                Some(dt) => Local
+                    .from_local_datetime(&dt)
+                    .earliest()
+                    .map(|d| d.timestamp()),
+                None => ["%H:%M:%S", "%H:%M"]
+                    .iter()
+                    .find_map(|f| NaiveTime::parse_from_str(v, f).ok())
+                    .and_then(at_today),
+            }
+        }
+    };
+    found.with_context(|| {
+        format!(
+            "sacct: error: invalid time {value:?}: use YYYY-MM-DD[THH:MM[:SS]], HH:MM[:SS], \
+             now[-N{{seconds|minutes|hours|days|weeks}}], today, midnight or noon"
+        )
+    })
 }
 
 /// `shoal sacct`: the named jobs, or every job of the last day.
 pub async fn sacct(api: &Api, args: &SacctArgs) -> Result<()> {
-    let fields = match &args.format {
-        Some(f) => shoal_slurm::parse_format(f)?,
-        None => shoal_slurm::default_sacct_fields(),
+    let fields = match (&args.format, args.long) {
+        (Some(f), _) => shoal_slurm::parse_format(f)?,
+        (None, true) => shoal_slurm::long_sacct_fields(),
+        (None, false) => shoal_slurm::default_sacct_fields(),
     };
+    let local_now = chrono::Local::now();
+    let start = args
+        .starttime
+        .as_deref()
+        .map(|t| parse_sacct_time(t, local_now))
+        .transpose()?;
+    let end = args
+        .endtime
+        .as_deref()
+        .map(|t| parse_sacct_time(t, local_now))
+        .transpose()?;
+    let states = args
+        .state
+        .as_deref()
+        .map(shoal_slurm::parse_states)
+        .transpose()?;
+    let names: Option<Vec<&str>> = args.name.as_deref().map(|n| n.split(',').collect());
     let vcpus = vcpus_by_template(api).await;
     let mut all = Vec::new();
     if args.jobs.is_empty() {
-        let since = now() - 86_400;
+        // sacct's default window: from 00:00 today.
+        let since = match start {
+            Some(s) => s,
+            None => parse_sacct_time("midnight", local_now)?,
+        };
         let mut sweeps = api.sweeps().await?;
         sweeps.reverse();
         for s in sweeps {
-            if unix(&s["created_at"]).is_some_and(|t| t >= since) {
+            let finished = unix(&s["finished_at"]);
+            if finished.is_none_or(|t| t >= since) {
                 let cells = api.cells(s["id"].as_str().unwrap_or("")).await?;
                 all.extend(records(&s, &cells, &vcpus));
             }
         }
+        all.retain(|r| shoal_slurm::within_window(r, Some(since), end, local_now.timestamp()));
     }
     for arg in args
         .jobs
@@ -238,6 +332,15 @@ pub async fn sacct(api: &Api, args: &SacctArgs) -> Result<()> {
             recs.retain(|r| r.task_id == Some(t));
         }
         all.extend(recs);
+    }
+    if !args.jobs.is_empty() && (start.is_some() || end.is_some()) {
+        all.retain(|r| shoal_slurm::within_window(r, start, end, local_now.timestamp()));
+    }
+    if let Some(states) = &states {
+        all.retain(|r| states.contains(&r.state));
+    }
+    if let Some(names) = &names {
+        all.retain(|r| names.contains(&r.name.as_str()));
     }
     let style = if args.parsable2 {
         SacctStyle::Parsable2
@@ -313,6 +416,67 @@ pub async fn scancel(api: &Api, targets: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sacct_times_take_sacct_s_forms() {
+        use chrono::TimeZone as _;
+        let now = chrono::Local
+            .with_ymd_and_hms(2026, 12, 7, 15, 30, 0)
+            .single()
+            .unwrap();
+        let at = |y, mo, d, h, mi, s| {
+            chrono::Local
+                .with_ymd_and_hms(y, mo, d, h, mi, s)
+                .single()
+                .unwrap()
+                .timestamp()
+        };
+        let t = |v: &str| parse_sacct_time(v, now).unwrap();
+        assert_eq!(t("now"), now.timestamp());
+        assert_eq!(t("now-2hours"), now.timestamp() - 7200);
+        assert_eq!(t("now-3days"), now.timestamp() - 3 * 86_400);
+        assert_eq!(t("now-90"), now.timestamp() - 90);
+        assert_eq!(t("midnight"), at(2026, 12, 7, 0, 0, 0));
+        assert_eq!(t("today"), at(2026, 12, 7, 0, 0, 0));
+        assert_eq!(t("noon"), at(2026, 12, 7, 12, 0, 0));
+        assert_eq!(t("2026-12-01"), at(2026, 12, 1, 0, 0, 0));
+        assert_eq!(t("2026-12-01T08:15"), at(2026, 12, 1, 8, 15, 0));
+        assert_eq!(t("2026-12-01T08:15:09"), at(2026, 12, 1, 8, 15, 9));
+        assert_eq!(t("09:45"), at(2026, 12, 7, 9, 45, 0));
+        for bad in ["yesterday-ish", "now-3fortnights", "2026-13-01", "25:00"] {
+            let e = parse_sacct_time(bad, now).unwrap_err().to_string();
+            assert!(e.contains("invalid time"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_sacct_window_keeps_what_overlaps_it() {
+        let job = |submit, start, end| shoal_slurm::JobRecord {
+            submit: Some(submit),
+            start,
+            end,
+            ..Default::default()
+        };
+        let within = |r: &shoal_slurm::JobRecord, s, e| shoal_slurm::within_window(r, s, e, 1000);
+        let ran = job(100, Some(110), Some(200));
+        assert!(within(&ran, Some(150), None));
+        assert!(!within(&ran, Some(201), None), "ended before the window");
+        assert!(!within(&ran, None, Some(105)), "started after the window");
+        let running = job(100, Some(110), None);
+        assert!(
+            within(&running, Some(900), None),
+            "still running: until now"
+        );
+        let pending = job(500, None, None);
+        assert!(
+            within(&pending, Some(600), Some(700)),
+            "waiting through the window"
+        );
+        assert!(
+            !within(&pending, None, Some(400)),
+            "submitted after the window"
+        );
+    }
     use serde_json::json;
 
     #[test]
