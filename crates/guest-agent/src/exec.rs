@@ -580,11 +580,9 @@ impl Stop {
     /// Sends what is due to group `pid` by now.
     fn act(&mut self, pid: i32) {
         let now = Instant::now();
-        // SAFETY (every kill below): kill has no memory effects; -pid is
-        // the exec's process group.
         if let Some((signal, at)) = self.warn {
             if !self.warned && now >= at {
-                unsafe { libc::kill(-pid, signal) };
+                signal_group(pid, signal);
                 self.warned = true;
             }
         }
@@ -592,17 +590,15 @@ impl Stop {
             self.timed_out = true;
             match self.grace {
                 Some(grace) => {
-                    unsafe { libc::kill(-pid, libc::SIGCONT) };
-                    unsafe { libc::kill(-pid, libc::SIGTERM) };
+                    signal_group(pid, libc::SIGCONT);
+                    signal_group(pid, libc::SIGTERM);
                     self.kill_at = Some(now + grace);
                 }
-                None => unsafe {
-                    libc::kill(-pid, libc::SIGKILL);
-                },
+                None => signal_group(pid, libc::SIGKILL),
             }
         }
         if self.kill_at.is_some_and(|at| now >= at) {
-            unsafe { libc::kill(-pid, libc::SIGKILL) };
+            signal_group(pid, libc::SIGKILL);
             self.kill_at = None;
         }
     }
@@ -617,6 +613,12 @@ impl Stop {
             .min()
             .map(|at| at.saturating_duration_since(Instant::now()))
     }
+}
+
+/// Sends `signal` to the process group `pgid`.
+fn signal_group(pgid: i32, signal: i32) {
+    // SAFETY: kill has no memory effects; -pgid is the exec's group.
+    unsafe { libc::kill(-pgid, signal) };
 }
 
 /// Streams output until the exec is over (see the module doc), stopping
