@@ -140,6 +140,8 @@ enum Command {
     Sacct(slurm::SacctArgs),
     /// Cancel jobs or array tasks: ID, ID_TASK, ID_[TASKS].
     Scancel(slurm::ScancelArgs),
+    /// scontrol: `show job ID`, `requeue ID`, `update JobId=ID ArrayTaskThrottle=N`.
+    Scontrol(slurm::ScontrolArgs),
     /// Write finished tasks' output files here (sbatch's follower does it
     /// in the background).
     Sync(slurm::SyncArgs),
@@ -446,6 +448,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Squeue(args) => slurm::squeue(args).await,
         Command::Sacct(args) => slurm::sacct(args).await,
         Command::Scancel(args) => slurm::scancel(args).await,
+        Command::Scontrol(args) => slurm::scontrol(args).await,
         Command::Sync(args) => slurm::sync(args).await,
         Command::Bench {
             command: BenchCommand::Engine(args),

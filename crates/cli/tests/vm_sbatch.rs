@@ -498,7 +498,24 @@ async fn slurm_scripts_run_unchanged(database_url: &str, state: PathBuf) {
         );
         std::thread::sleep(Duration::from_millis(500));
     }
-    user.ok(&["scancel", &long.to_string()]);
+    // scontrol and squeue's own options on the running job.
+    let shown = user.ok(&["scontrol", "show", "job", &format!("{long}_0")]);
+    assert!(
+        shown.starts_with(&format!(
+            "JobId={long} ArrayJobId={long} ArrayTaskId=0 JobName=long"
+        )) && shown.contains("JobState=RUNNING"),
+        "{shown}"
+    );
+    let running = user.ok(&["squeue", "-h", "-t", "R", "-j", &format!("{long}_0")]);
+    assert_eq!(running.lines().count(), 1, "{running}");
+    assert!(
+        !running.contains("JOBID"),
+        "squeue -h prints no header: {running}"
+    );
+    // The filters without ids: the pending tasks of job "long" only, then
+    // the rest of that user's job by name.
+    user.ok(&["scancel", "-t", "PENDING", "-n", "long"]);
+    user.ok(&["scancel", "-u", "ada", "-n", "long"]);
     let rows = user.wait_states(long, 4, &["CANCELLED"], Duration::from_secs(120));
     println!(
         "after scancel:\n{}",

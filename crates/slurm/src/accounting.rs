@@ -720,6 +720,69 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 /// ones are left out, as squeue leaves them out. Pending tasks of one array
 /// (same partition, name, user and reason) share a line, `1080_[5-1024]`,
 /// placed where the first of them was.
+/// `scontrol show job`: one record per task, `Key=Value` lines as
+/// scontrol prints them (the fields Shoal has), then `extra` (the job's
+/// command, directories and output files) on the last lines.
+pub fn format_scontrol_job(records: &[JobRecord], extra: &[(&str, String)], offset: i32) -> String {
+    use SacctField as F;
+    let value = |r: &JobRecord, f: SacctField, missing: &str| {
+        field_value(r, f, offset).unwrap_or_else(|| missing.to_owned())
+    };
+    let mut out = String::new();
+    for r in records {
+        let mut head = format!("JobId={}", r.job_id);
+        if let (Some(array), Some(task)) = (r.array_job_id, r.task_id) {
+            head.push_str(&format!(" ArrayJobId={array} ArrayTaskId={task}"));
+        }
+        head.push_str(&format!(" JobName={}", r.name));
+        let lines = [
+            head,
+            format!(
+                "UserId={} Account={}",
+                r.user,
+                r.account.as_deref().unwrap_or("(null)")
+            ),
+            format!(
+                "JobState={} Reason={} ExitCode={}:{}",
+                r.state.as_str(),
+                r.reason.as_deref().unwrap_or("None"),
+                r.exit_code,
+                r.signal
+            ),
+            format!(
+                "RunTime={} TimeLimit={} Restarts={}",
+                format_elapsed(r.elapsed),
+                value(r, F::Timelimit, "UNLIMITED"),
+                r.restarts
+            ),
+            format!(
+                "SubmitTime={} StartTime={} EndTime={}",
+                format_date(r.submit, offset),
+                format_date(r.start, offset),
+                format_date(r.end, offset)
+            ),
+            format!(
+                "Partition={} NodeList={} NumNodes=1 NumCPUs={} NumTasks=1 CPUs/Task={}",
+                r.partition,
+                r.node.as_deref().unwrap_or("(null)"),
+                r.alloc_cpus,
+                r.alloc_cpus
+            ),
+            format!("MinMemoryNode={}", value(r, F::ReqMem, "0")),
+        ];
+        for (i, line) in lines.iter().enumerate() {
+            out.push_str(if i == 0 { "" } else { "   " });
+            out.push_str(line);
+            out.push('\n');
+        }
+        for (key, v) in extra {
+            out.push_str(&format!("   {key}={v}\n"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// The states a `squeue -t`/`sacct -s` list names: comma-separated long
 /// (`RUNNING`) or compact (`R`) names in any case, or `all`.
 pub fn parse_states(list: &str) -> Result<Vec<JobState>, SlurmError> {

@@ -25,10 +25,10 @@ pub mod script;
 pub mod time;
 
 pub use accounting::{
-    default_sacct_fields, format_rss, format_sacct, format_sacct_with, format_squeue,
-    format_squeue_unfolded, format_submitted, long_sacct_fields, matches_job_refs, parse_format,
-    parse_job_ref, parse_job_refs, parse_states, within_window, FieldSpec, JobRecord, JobRef,
-    JobState, SacctField, SacctOptions, SacctStyle,
+    default_sacct_fields, format_rss, format_sacct, format_sacct_with, format_scontrol_job,
+    format_squeue, format_squeue_unfolded, format_submitted, long_sacct_fields, matches_job_refs,
+    parse_format, parse_job_ref, parse_job_refs, parse_states, within_window, FieldSpec, JobRecord,
+    JobRef, JobState, SacctField, SacctOptions, SacctStyle,
 };
 pub use array::{compress_ranges, parse_array, ArraySpec, MAX_ARRAY_TASKS};
 pub use env::{task_environment, ArrayTask, TaskDescription};

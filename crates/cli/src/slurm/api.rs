@@ -153,4 +153,24 @@ impl Api {
         )
         .await
     }
+
+    /// Runs the finished cells of a sweep again (`scontrol requeue`).
+    pub async fn requeue(&self, id: &str) -> Result<Value> {
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/sweeps/{id}/requeue"),
+            Some(&json!({})),
+        )
+        .await
+    }
+
+    /// Sets how many of a sweep's cells run at once (`ArrayTaskThrottle`).
+    pub async fn set_throttle(&self, id: &str, throttle: u64) -> Result<Value> {
+        self.call(
+            reqwest::Method::PATCH,
+            &format!("/v1/sweeps/{id}"),
+            Some(&json!({ "throttle": throttle })),
+        )
+        .await
+    }
 }

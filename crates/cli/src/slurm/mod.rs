@@ -96,9 +96,26 @@ pub struct SacctArgs {
 
 #[derive(Args)]
 pub struct ScancelArgs {
-    /// ID, ID_TASK or ID_[TASKS].
-    #[arg(required = true)]
+    /// ID, ID_TASK or ID_[TASKS]; none: the jobs the filters choose.
+    #[arg(required_unless_present_any = ["user", "name", "state"])]
     pub jobs: Vec<String>,
+    /// Without ids: the queued jobs of this user.
+    #[arg(short = 'u', long = "user")]
+    pub user: Option<String>,
+    /// Without ids: the queued jobs of this name.
+    #[arg(short = 'n', long = "name", alias = "jobname")]
+    pub name: Option<String>,
+    /// Without ids: only tasks in these states (PENDING, RUNNING; PD, R).
+    #[arg(short = 't', long = "state")]
+    pub state: Option<String>,
+}
+
+/// `shoal scontrol COMMAND ...`, in scontrol's words.
+#[derive(Args)]
+pub struct ScontrolArgs {
+    /// `show job ID`, `requeue ID`, `update JobId=ID ArrayTaskThrottle=N`.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    pub words: Vec<String>,
 }
 
 #[derive(Args)]
@@ -160,7 +177,30 @@ pub async fn sacct(args: SacctArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+pub async fn scontrol(args: ScontrolArgs) -> Result<ExitCode> {
+    views::scontrol(&api()?, &args.words).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
 pub async fn scancel(args: ScancelArgs) -> Result<ExitCode> {
+    if args.jobs.is_empty() {
+        let filter = views::ScancelFilter {
+            user: args.user,
+            name: args.name,
+            states: args
+                .state
+                .as_deref()
+                .map(shoal_slurm::parse_states)
+                .transpose()?,
+        };
+        views::scancel_matching(&api()?, &filter).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if args.user.is_some() || args.name.is_some() || args.state.is_some() {
+        anyhow::bail!(
+            "scancel: error: -u, -n and -t choose jobs when no job id is given; name the jobs or the filters, not both"
+        );
+    }
     views::scancel(&api()?, &args.jobs).await?;
     Ok(ExitCode::SUCCESS)
 }

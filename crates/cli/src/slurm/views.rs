@@ -140,7 +140,6 @@ async fn resolve(api: &Api, job_id: u64) -> Result<Option<(Value, Option<u64>)>>
     Ok(None)
 }
 
-/// `shoal squeue`: the caller's pending and running tasks.
 /// What `shoal squeue` shows.
 pub struct SqueueQuery {
     /// `-j`: jobs (all their tasks) or single tasks; none: all.
@@ -355,6 +354,170 @@ pub async fn sacct(api: &Api, args: &SacctArgs) -> Result<()> {
         utc_offset_seconds: chrono::Local::now().offset().local_minus_utc(),
     };
     print!("{}", shoal_slurm::format_sacct_with(&all, &fields, &opts));
+    Ok(())
+}
+
+/// `shoal scontrol`: `show job ID[_TASK]`, `requeue ID`, `update JobId=ID
+/// ArrayTaskThrottle=N`. `hold` and `release` are refused with the reason.
+pub async fn scontrol(api: &Api, words: &[String]) -> Result<()> {
+    let lower: Vec<String> = words.iter().map(|w| w.to_ascii_lowercase()).collect();
+    let words_of = |from: usize| words[from..].to_vec();
+    match lower
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .as_slice()
+    {
+        ["show", "job" | "jobs", rest @ ..] => {
+            let vcpus = vcpus_by_template(api).await;
+            let targets = if rest.is_empty() {
+                api.sweeps()
+                    .await?
+                    .iter()
+                    .filter(|s| matches!(s["state"].as_str(), Some("held" | "active")))
+                    .filter_map(|s| s["job_id"].as_u64().map(|j| j.to_string()))
+                    .collect()
+            } else {
+                words_of(2)
+            };
+            let offset = chrono::Local::now().offset().local_minus_utc();
+            for target in targets {
+                let job = shoal_slurm::parse_job_ref(&target)?;
+                let Some((sweep, index)) = resolve(api, job.job_id).await? else {
+                    bail!("slurm_load_jobs error: Invalid job id specified");
+                };
+                let cells = api.cells(sweep["id"].as_str().unwrap_or("")).await?;
+                let mut recs = records(&sweep, &cells, &vcpus);
+                if index.is_some() {
+                    recs.retain(|r| r.job_id == job.job_id);
+                }
+                if let Some(t) = job.task_id {
+                    recs.retain(|r| r.task_id == Some(t));
+                }
+                let slurm = &sweep["slurm"];
+                let text = |v: &Value| v.as_str().unwrap_or("(null)").to_owned();
+                let extra = [
+                    ("Command", text(&sweep["command"])),
+                    ("WorkDir", text(&slurm["work_dir"])),
+                    ("StdOut", text(&slurm["output"])),
+                    ("StdErr", text(&slurm["error"])),
+                ];
+                print!(
+                    "{}",
+                    shoal_slurm::format_scontrol_job(&recs, &extra, offset)
+                );
+            }
+            Ok(())
+        }
+        ["requeue", ..] if words.len() > 1 => {
+            for target in words_of(1) {
+                let job = shoal_slurm::parse_job_ref(&target)?;
+                let Some((sweep, _)) = resolve(api, job.job_id).await? else {
+                    bail!("Invalid job id specified: {target}");
+                };
+                api.requeue(sweep["id"].as_str().unwrap_or(""))
+                    .await
+                    .with_context(|| format!("requeueing job {target}"))?;
+            }
+            Ok(())
+        }
+        ["update", ..] => {
+            let mut job = None;
+            let mut throttle = None;
+            for word in words_of(1) {
+                let (key, value) = word
+                    .split_once('=')
+                    .with_context(|| format!("Invalid input: {word}: expected KEY=VALUE"))?;
+                match key.to_ascii_lowercase().as_str() {
+                    "jobid" => job = Some(shoal_slurm::parse_job_ref(value)?),
+                    "arraytaskthrottle" => {
+                        throttle = Some(value.parse::<u64>().with_context(|| {
+                            format!("Invalid ArrayTaskThrottle {value:?}: a number of tasks")
+                        })?)
+                    }
+                    _ => bail!(
+                        "scontrol update {key}=... is not supported on Shoal: only \
+                         ArrayTaskThrottle (the --array %N) can change"
+                    ),
+                }
+            }
+            let job = job.context("scontrol update needs JobId=ID")?;
+            let throttle = throttle.context("scontrol update needs ArrayTaskThrottle=N")?;
+            let Some((sweep, _)) = resolve(api, job.job_id).await? else {
+                bail!("Invalid job id specified: {}", job.job_id);
+            };
+            api.set_throttle(sweep["id"].as_str().unwrap_or(""), throttle)
+                .await
+                .context("updating the throttle")?;
+            Ok(())
+        }
+        ["hold" | "release", ..] => bail!(
+            "scontrol {}: holding a job is not supported on Shoal yet; a job with \
+             --dependency is held until its dependencies complete",
+            lower[0]
+        ),
+        _ => bail!(
+            "scontrol: {}: Shoal's scontrol knows `show job [ID]`, `requeue ID` and \
+             `update JobId=ID ArrayTaskThrottle=N`",
+            words.join(" ")
+        ),
+    }
+}
+
+/// `scancel` without job ids: the filters choose (`-u`, `-n`, `-t`).
+pub struct ScancelFilter {
+    pub user: Option<String>,
+    pub name: Option<String>,
+    pub states: Option<Vec<shoal_slurm::JobState>>,
+}
+
+/// `shoal scancel -u USER / -n NAME / -t STATES`: every queued job that
+/// matches all the filters given, or, with `-t`, only its tasks in those
+/// states (`scancel -t PENDING` leaves running tasks be).
+pub async fn scancel_matching(api: &Api, filter: &ScancelFilter) -> Result<()> {
+    if filter.user.is_none() && filter.name.is_none() && filter.states.is_none() {
+        bail!("scancel: error: No job identification provided");
+    }
+    let vcpus = vcpus_by_template(api).await;
+    for s in api.sweeps().await? {
+        if !matches!(s["state"].as_str(), Some("held" | "active")) {
+            continue;
+        }
+        if filter
+            .user
+            .as_ref()
+            .is_some_and(|u| s["slurm"]["user"].as_str() != Some(u.as_str()))
+        {
+            continue;
+        }
+        let name = s["slurm"]["job_name"].as_str().or(s["name"].as_str());
+        if filter
+            .name
+            .as_ref()
+            .is_some_and(|n| name != Some(n.as_str()))
+        {
+            continue;
+        }
+        let id = s["id"].as_str().unwrap_or("").to_owned();
+        let Some(states) = &filter.states else {
+            api.cancel(&id, None)
+                .await
+                .with_context(|| format!("cancelling job {}", s["job_id"]))?;
+            continue;
+        };
+        let first = s["job_id"].as_u64().unwrap_or(0);
+        let cells = api.cells(&id).await?;
+        let indexes: Vec<u64> = records(&s, &cells, &vcpus)
+            .iter()
+            .filter(|r| states.contains(&r.state))
+            .map(|r| r.job_id - first)
+            .collect();
+        if !indexes.is_empty() {
+            api.cancel(&id, Some(&indexes))
+                .await
+                .with_context(|| format!("cancelling tasks of job {first}"))?;
+        }
+    }
     Ok(())
 }
 
