@@ -111,6 +111,8 @@ pub struct Directives {
     pub chdir: Option<String>,
     /// `--parsable`: print only the job id on submission.
     pub parsable: bool,
+    /// `--open-mode=append`: output files are appended to, not truncated.
+    pub open_append: bool,
     /// `--signal`: a signal sent this many seconds before the time limit.
     pub signal: Option<WarnSignal>,
     /// `--export`: which of the submitting shell's variables the tasks get
@@ -418,6 +420,7 @@ enum Key {
     Parsable,
     Export,
     Signal,
+    OpenMode,
     Ignored(&'static str),
 }
 
@@ -479,8 +482,8 @@ fn long_option(name: &str) -> Option<(Key, Arg)> {
         "signal" => (Signal, Required),
         "input" => (Ignored("standard input is /dev/null"), Required),
         "tmp" => (Ignored("disk space comes with the template"), Required),
-        "open-mode"
-        | "comment"
+        "open-mode" => (OpenMode, Required),
+        "comment"
         | "wckey"
         | "licenses"
         | "time-min"
@@ -769,6 +772,18 @@ impl OptionParser {
             Key::NoRequeue => d.requeue = Some(false),
             Key::Parsable => d.parsable = true,
             Key::Signal => d.signal = Some(parse_signal(&v).map_err(wrap)?),
+            Key::OpenMode => {
+                d.open_append = match v.to_ascii_lowercase().as_str() {
+                    "append" | "a" => true,
+                    "truncate" | "t" => false,
+                    _ => {
+                        return Err(wrap(SlurmError::InvalidCount {
+                            value: v.clone(),
+                            reason: "--open-mode is append or truncate".into(),
+                        }))
+                    }
+                }
+            }
             Key::Export => {
                 // Checked now, so a bad list stops the submission.
                 crate::export::exported_environment(Some(&v), std::iter::empty()).map_err(wrap)?;

@@ -205,11 +205,20 @@ fn write_task(sweep: &Value, cell: &Value) -> Result<()> {
             ctx.job_id, ctx.node
         ));
     }
+    // --open-mode=append: every task adds to the file (a shared `-o all.out`).
+    let append = slurm["open_mode"].as_str() == Some("append");
+    let output = |path: &Path, bytes: &[u8]| {
+        if append {
+            append_file(path, bytes)
+        } else {
+            write_file(path, bytes)
+        }
+    };
     if paths.same_file() {
-        write_file(&paths.stdout, format!("{stdout}{stderr}").as_bytes())?;
+        output(&paths.stdout, format!("{stdout}{stderr}").as_bytes())?;
     } else {
-        write_file(&paths.stdout, stdout.as_bytes())?;
-        write_file(&paths.stderr, stderr.as_bytes())?;
+        output(&paths.stdout, stdout.as_bytes())?;
+        output(&paths.stderr, stderr.as_bytes())?;
     }
     if let Some(files) = cell["collected"].as_object() {
         for (path, content) in files {
@@ -242,6 +251,20 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Appends to a file, making it (and its directory) if missing.
+fn append_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write as _;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(bytes))
+        .with_context(|| format!("appending to {}", path.display()))
 }
 
 #[cfg(test)]
@@ -278,5 +301,31 @@ mod tests {
             "42"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn open_mode_append_adds_each_task_to_a_shared_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let sweep = |mode: &str| {
+            json!({"job_id": 1000, "name": "n", "slurm": {
+                "array": "1-2", "job_name": "sim", "user": "ada", "open_mode": mode,
+                "work_dir": dir.path().to_str(), "output": "all.out", "error": null}})
+        };
+        let cell = |i: u64| {
+            json!({"index": i, "value": (i + 1).to_string(), "job_id": 1000 + i,
+                "state": "succeeded", "sandbox_id": "sb_1", "started_at": "x",
+                "stdout": format!("task {}\n", i + 1), "stderr": ""})
+        };
+        for i in 0..2 {
+            write_task(&sweep("append"), &cell(i)).unwrap();
+        }
+        let all = std::fs::read_to_string(dir.path().join("all.out")).unwrap();
+        assert_eq!(all, "task 1\ntask 2\n");
+        // Slurm's default, truncate: the last task's output only.
+        for i in 0..2 {
+            write_task(&sweep("truncate"), &cell(i)).unwrap();
+        }
+        let all = std::fs::read_to_string(dir.path().join("all.out")).unwrap();
+        assert_eq!(all, "task 2\n");
     }
 }

@@ -387,6 +387,7 @@ pub fn sweep_request(
             "work_dir": work_s,
             "output": d.output,
             "error": d.error,
+            "open_mode": if d.open_append { "append" } else { "truncate" },
             "partition": d.partitions().first(),
             "account": d.account,
             "cpus_per_task": d.cpus_per_task,
