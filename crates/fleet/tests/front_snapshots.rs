@@ -180,7 +180,7 @@ async fn templates_on_h1_and_a_gone_host(store: &shoal_store::Store, alice: &sho
             published: false,
             created_at: now(),
         };
-        store.insert_template(&alice, &row, 10).await.unwrap();
+        store.insert_template(alice, &row, 10).await.unwrap();
     }
 }
 
