@@ -40,6 +40,19 @@ impl HostAgent {
     /// [`HostError::Import`] (the caller's input); nothing is left behind
     /// on any failure.
     pub async fn import_snapshot(&self, spec: ImportSpec) -> Result<(Manifest, ImportReport)> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.import_once(&spec).await {
+                Err(e) if tries < BOOT_TRIES && boot_hung(&e) => {
+                    tracing::warn!(error = %e, "an imported disk's boot hung; booting it again");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn import_once(&self, spec: &ImportSpec) -> Result<(Manifest, ImportReport)> {
         let agent = self.guest_agent.clone().ok_or_else(|| {
             HostError::Invalid(
                 "this host has no guest agent to install into imported images".into(),
@@ -129,6 +142,21 @@ impl HostAgent {
     }
 }
 
+/// Boots of a disk before its failure is the answer: a cold boot under TCG
+/// with several vCPUs now and then never reaches the agent (the boot
+/// deadline ends it), and a second boot of the same disk does.
+const BOOT_TRIES: u32 = 2;
+
+/// Whether a disk boot failed because the guest never answered.
+fn boot_hung(e: &HostError) -> bool {
+    use shoal_engine::EngineError;
+    matches!(
+        e,
+        HostError::Engine(EngineError::Agent(shoal_proto::client::AgentError::Timeout))
+            | HostError::Engine(EngineError::Timeout(_))
+    )
+}
+
 /// The smallest guest memory a sized copy may have: a Debian guest with
 /// the agent boots in less, but not with room to run anything.
 pub const MIN_SIZED_MEMORY_MIB: u32 = 256;
@@ -211,16 +239,21 @@ impl HostAgent {
             Source::Template(name) => BootDisk::TemplateDisk(name.clone()),
             Source::Snapshot(snapshot) => BootDisk::SnapshotDisk(snapshot.clone()),
         };
-        let booted = self
-            .boot_disk(DiskBootSpec {
-                disk,
+        let boot = || {
+            self.boot_disk(DiskBootSpec {
+                disk: disk.clone(),
                 vcpus,
                 memory_mib,
                 template: manifest.template.clone(),
                 id: Some(id.clone()),
                 warm_up: warm_up.cloned(),
             })
-            .await;
+        };
+        let mut booted = boot().await;
+        if booted.as_ref().is_err_and(boot_hung) {
+            tracing::warn!(copy = id, "a sized copy's boot hung; booting it again");
+            booted = boot().await;
+        }
         self.sizing.lock().await.remove(&id);
         booted?;
         self.evict_sized_copies(&id).await;
@@ -288,6 +321,20 @@ fn copies_to_evict(
 mod tests {
     use super::*;
     use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn only_a_boot_that_never_answered_is_booted_again() {
+        use shoal_engine::EngineError;
+        use shoal_proto::client::AgentError;
+        assert!(boot_hung(&HostError::Engine(EngineError::Agent(
+            AgentError::Timeout
+        ))));
+        assert!(boot_hung(&HostError::Engine(EngineError::Timeout(
+            "boot".into()
+        ))));
+        assert!(!boot_hung(&HostError::Import("leaves the root".into())));
+        assert!(!boot_hung(&HostError::Full));
+    }
 
     #[test]
     fn the_least_recently_used_copies_go_but_not_the_new_one_nor_a_fresh_one() {
