@@ -140,6 +140,12 @@ async fn resolve(api: &Api, job_id: u64) -> Result<Option<(Value, Option<u64>)>>
     Ok(None)
 }
 
+/// Whether a sweep is still in the queue (held or active): what squeue,
+/// `scontrol show job` and scancel's filters look at.
+fn is_queued(sweep: &Value) -> bool {
+    matches!(sweep["state"].as_str(), Some("held" | "active"))
+}
+
 /// What `shoal squeue` shows.
 pub struct SqueueQuery {
     /// `-j`: jobs (all their tasks) or single tasks; none: all.
@@ -161,7 +167,7 @@ pub async fn squeue(api: &Api, query: &SqueueQuery) -> Result<()> {
     let mut sweeps = api.sweeps().await?;
     sweeps.reverse(); // oldest first, as squeue sorts by job id
     for s in sweeps {
-        if !matches!(s["state"].as_str(), Some("held" | "active")) {
+        if !is_queued(&s) {
             continue;
         }
         let id = s["job_id"].as_u64().unwrap_or(0);
@@ -374,7 +380,7 @@ pub async fn scontrol(api: &Api, words: &[String]) -> Result<()> {
                 api.sweeps()
                     .await?
                     .iter()
-                    .filter(|s| matches!(s["state"].as_str(), Some("held" | "active")))
+                    .filter(|s| is_queued(s))
                     .filter_map(|s| s["job_id"].as_u64().map(|j| j.to_string()))
                     .collect()
             } else {
@@ -480,7 +486,7 @@ pub async fn scancel_matching(api: &Api, filter: &ScancelFilter) -> Result<()> {
     }
     let vcpus = vcpus_by_template(api).await;
     for s in api.sweeps().await? {
-        if !matches!(s["state"].as_str(), Some("held" | "active")) {
+        if !is_queued(&s) {
             continue;
         }
         if filter
