@@ -29,6 +29,7 @@
 
 mod accounts;
 mod apps;
+mod blobs;
 mod builds;
 mod host_credentials;
 mod host_roles;
@@ -53,6 +54,7 @@ use sqlx::sqlite::{
 };
 
 pub use accounts::{bearer_token, token_hash};
+pub use blobs::{staging_key, OutputChunk, BLOB_CHUNK};
 pub use builds::BUILD_LIST_LIMIT;
 pub use host_credentials::JoinRefusal;
 pub use host_roles::host_database_url;

@@ -104,6 +104,11 @@ const SQLITE: &[Embedded] = &[
         "snapshot size",
         include_str!("../migrations/sqlite/0016_snapshot_size.sql"),
     ),
+    (
+        17,
+        "job data",
+        include_str!("../migrations/sqlite/0017_job_data.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -186,6 +191,11 @@ const POSTGRES: &[Embedded] = &[
         16,
         "snapshot size",
         include_str!("../migrations/postgres/0016_snapshot_size.sql"),
+    ),
+    (
+        17,
+        "job data",
+        include_str!("../migrations/postgres/0017_job_data.sql"),
     ),
 ];
 

@@ -598,6 +598,29 @@ pub struct NewSweep {
     pub files: BTreeMap<String, String>,
     /// What the Slurm bridge said of the job; kept as given.
     pub slurm: Option<serde_json::Value>,
+    /// Inputs written into each cell's sandbox from the account's blobs,
+    /// and the directories whose new files come back as blobs.
+    pub data_path: Option<DataPath>,
+}
+
+/// A job's data path: the files of its submit directory, by content, and
+/// where its tasks' results are looked for.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPath {
+    pub inputs: Vec<InputFile>,
+    /// Absolute directories whose new and changed regular files (any
+    /// depth) are kept as blobs when a task ends.
+    pub results_under: Vec<String>,
+}
+
+/// One input file: where it goes in the sandbox, and its blob.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputFile {
+    pub path: String,
+    pub digest: String,
+    pub size: u64,
+    /// Permission bits; written without write permission.
+    pub mode: u32,
 }
 
 /// One sweep as stored.
@@ -630,6 +653,7 @@ pub struct SweepRow {
     pub workdir: Option<String>,
     pub files: BTreeMap<String, String>,
     pub slurm: Option<serde_json::Value>,
+    pub data_path: Option<DataPath>,
     /// When a cell was first claimed.
     pub started_at: Option<f64>,
 }

@@ -77,7 +77,7 @@ macro_rules! sweep_columns {
             $env,
             ", cells, throttle, timeout_seconds, \
              max_attempts, collect, fork_from, state, created_at, finished_at, job_id, reason, \
-             after_ok, workdir, files, slurm, started_at"
+             after_ok, workdir, files, slurm, started_at, data_path"
         )
     };
 }
@@ -112,7 +112,7 @@ const INSERT_SWEEP: &str = concat!(
     "INSERT INTO sweeps (",
     sweep_columns!(),
     ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
-     $18, $19, $20, $21, $22)"
+     $18, $19, $20, $21, $22, $23)"
 );
 
 /// Takes a block of $1 job ids; the block ends before the value returned.
@@ -458,11 +458,13 @@ impl Store {
             files: new.files.clone(),
             slurm: new.slurm.clone(),
             started_at: None,
+            data_path: new.data_path.clone(),
         };
         let block = signed(new.cells.len().max(1) as u64);
         let after_ok = to_json(&new.after_ok);
         let files = to_json(&new.files);
         let slurm = new.slurm.as_ref().map(to_json);
+        let data_path = new.data_path.as_ref().map(to_json);
         let env = to_json(&new.env);
         let cells = to_json(&new.cells);
         let collect = to_json(&new.collect);
@@ -500,6 +502,7 @@ impl Store {
                 .bind(&files)
                 .bind(&slurm)
                 .bind(row.started_at)
+                .bind(&data_path)
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "sweep", &row.id))?;
@@ -1206,6 +1209,10 @@ fn sweep(row: &impl Column) -> Result<SweepRow> {
             .map(|j| from_json(&j, "sweep slurm"))
             .transpose()?,
         started_at: row.opt_real("started_at")?,
+        data_path: row
+            .opt_text("data_path")?
+            .map(|j| from_json(&j, "sweep data_path"))
+            .transpose()?,
     })
 }
 

@@ -1,0 +1,45 @@
+-- A job's data path (issue 22), postgres flavour. Keep in step with the other
+-- flavour: same tables, columns, names and indexes.
+--
+-- `blobs`: content-addressed files of one account (a submit directory's
+-- inputs, a task's results), stored as `blob_chunks` of at most 1 MiB.
+-- A blob's row is written only once every chunk is in and its digest
+-- checked; until then its chunks are kept under a staging name
+-- (`staging:<unix seconds, 12 digits>:<random>`) that the digest replaces.
+-- Blobs are per account: knowing a digest gives no access to another
+-- account's bytes. `used_at` is the last job that named it.
+CREATE TABLE blobs (
+    account_id  BIGINT  NOT NULL REFERENCES accounts (id),
+    digest      TEXT    NOT NULL,
+    size        BIGINT  NOT NULL,
+    created_at  DOUBLE PRECISION NOT NULL,
+    used_at     DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (account_id, digest)
+);
+CREATE INDEX blobs_used ON blobs (used_at);
+CREATE TABLE blob_chunks (
+    account_id  BIGINT  NOT NULL,
+    digest      TEXT    NOT NULL,
+    seq         BIGINT  NOT NULL,
+    data        BYTEA   NOT NULL,
+    PRIMARY KEY (account_id, digest, seq)
+);
+-- What a running task printed, as it printed it: one row per flush
+-- (about every half second), numbered in order across both streams, for
+-- the attempt `epoch` (the cell's claim_epoch). A new attempt's first row
+-- removes the earlier attempts'.
+CREATE TABLE cell_output (
+    sweep_id  TEXT    NOT NULL,
+    idx       BIGINT  NOT NULL,
+    epoch     BIGINT  NOT NULL,
+    seq       BIGINT  NOT NULL,
+    stream    TEXT    NOT NULL,
+    data      BYTEA   NOT NULL,
+    PRIMARY KEY (sweep_id, idx, epoch, seq)
+);
+-- The job's inputs (path, digest, size, mode) and the directories whose
+-- new and changed files come back as blobs; NULL for a sweep without.
+ALTER TABLE sweeps ADD COLUMN data_path TEXT;
+-- Any agent runs an account's cells (see 0009): it reads inputs, writes
+-- results and output.
+GRANT SELECT, INSERT, UPDATE, DELETE ON blobs, blob_chunks, cell_output TO shoal_hosts;
