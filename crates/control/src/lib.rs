@@ -13,6 +13,7 @@
 //! [`shoal_host::HostAgent`]), or SQL (only through [`shoal_store::Store`]).
 
 mod apps;
+mod blobs;
 mod build_layers;
 mod builds;
 mod error;
@@ -20,6 +21,7 @@ mod exec;
 mod extract;
 mod files;
 mod imports;
+mod job_data;
 mod lifecycle;
 mod meta;
 mod proxy;
@@ -291,6 +293,15 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route(&format!("{sweep}/requeue"), post(sweeps::requeue))
         .route(&format!("{sweep}/cells"), get(sweeps::cells_list))
         .route(&format!("{sweep}/cells/{{index}}"), get(sweeps::cell))
+        .route(
+            &format!("{sweep}/cells/{{index}}/output"),
+            get(sweeps::cell_output),
+        )
+        .route("/v1/blobs/missing", post(blobs::missing))
+        .route(
+            "/v1/blobs/{digest}",
+            get(blobs::download).put(blobs::upload),
+        )
         .fallback(|| async { ApiError::not_found("not found") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(

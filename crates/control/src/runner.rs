@@ -30,6 +30,7 @@
 //!    then the outcome is recorded with the claim id (a lost claim records
 //!    nothing).
 
+use crate::job_data::{self, InputError};
 use crate::{now, ControlPlane};
 use base64::Engine as _;
 use serde_json::{json, Value};
@@ -140,6 +141,8 @@ pub struct Runner {
     backoff: Mutex<Option<(Instant, Duration)>>,
     /// Sandboxes lost per claimed cell, by "sweep/idx".
     losses: Mutex<HashMap<String, u32>>,
+    /// When this control plane last dropped old job data.
+    last_garbage: Mutex<Option<Instant>>,
     /// Turns to start an attempt ([`RunnerConfig::max_starting`]), made at
     /// the first attempt.
     starting: std::sync::OnceLock<Option<tokio::sync::Semaphore>>,
@@ -358,6 +361,7 @@ async fn housekeeping(cp: &Arc<ControlPlane>) {
         }
         Err(e) => tracing::warn!(error = e.chain(), "deciding held sweeps"),
     }
+    collect_job_garbage(cp).await;
     let known: Vec<String> = {
         let parents = cp.runner.parents.lock().unwrap();
         let sweeps = cp.runner.sweeps.lock().unwrap();
@@ -390,6 +394,36 @@ async fn housekeeping(cp: &Arc<ControlPlane>) {
                 }
             }
         }
+    }
+}
+
+/// Job data unused this long goes: longer than a sweep may run, so a
+/// running job's inputs stay.
+const JOB_DATA_KEPT_SECONDS: f64 = 35.0 * 86400.0;
+/// An upload or a result staged this long ago was abandoned.
+const STAGED_KEPT_SECONDS: f64 = 86400.0;
+/// How often the runner drops old job data.
+const GARBAGE_EVERY: Duration = Duration::from_secs(3600);
+
+/// Drops old blobs, abandoned staged ones and old sweeps' output, at most
+/// once every [`GARBAGE_EVERY`] per control plane.
+async fn collect_job_garbage(cp: &ControlPlane) {
+    {
+        let mut last = cp.runner.last_garbage.lock().unwrap();
+        if last.is_some_and(|at| at.elapsed() < GARBAGE_EVERY) {
+            return;
+        }
+        *last = Some(Instant::now());
+    }
+    let t = now();
+    match cp
+        .store
+        .collect_garbage(t - JOB_DATA_KEPT_SECONDS, t - STAGED_KEPT_SECONDS, t - JOB_DATA_KEPT_SECONDS)
+        .await
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(blobs = n, "dropped job data unused for 35 days"),
+        Err(e) => tracing::warn!(error = e.chain(), "dropping old job data"),
     }
 }
 
@@ -626,6 +660,9 @@ async fn run_attempt(
     let timeout = Duration::from_secs(sweep.timeout_seconds);
     let mut stdout = Tail::default();
     let mut stderr = Tail::default();
+    let mut spool = job_data::Spool::new();
+    let mut results_before = job_data::TreeState::new();
+    let mut results_note = None;
     let mut run_started = None;
     let ran = match cp.host.engine().agent(&sandbox).await {
         Err(e) => {
@@ -634,9 +671,20 @@ async fn run_attempt(
         }
         Ok(agent) => {
             let forked = sweep.fork_from.is_some();
-            let ((), prepared) = tokio::join!(recording, prepare(&agent, info, forked));
+            let ((), prepared) = tokio::join!(recording, prepare(cp, &agent, info, forked));
+            // What the result directories hold before the command: only
+            // what it adds or changes comes back.
+            let prepared = match (prepared, &sweep.data_path) {
+                (Ok(()), Some(data)) if !data.results_under.is_empty() => {
+                    let (state, note) = job_data::tree_state(&agent, &data.results_under).await;
+                    results_before = state;
+                    results_note = note;
+                    Ok(())
+                }
+                (prepared, _) => prepared,
+            };
             match prepared {
-                Err(e) => classify_agent_error("preparing the sandbox", e),
+                Err(e) => classify_input_error(e),
                 Ok(()) => {
                     tracing::debug!(sandbox, ms = ms(phase), "sandbox prepared");
                     let stop = time_limit_stop(sweep.slurm.as_ref());
@@ -660,14 +708,27 @@ async fn run_attempt(
                                 + timeout
                                 + stop.kill_grace.unwrap_or_default()
                                 + HOST_TIMEOUT_MARGIN;
-                            loop {
+                            let mut spool_tick = tokio::time::interval(job_data::SPOOL_EVERY);
+                            let ran = loop {
                                 tokio::select! {
                                     event = handle.next_event() => match event {
-                                        Ok(ExecEvent::Stdout(bytes)) => stdout.push(&bytes),
-                                        Ok(ExecEvent::Stderr(bytes)) => stderr.push(&bytes),
+                                        Ok(ExecEvent::Stdout(bytes)) => {
+                                            stdout.push(&bytes);
+                                            if spool.push("stdout", &bytes) {
+                                                spool.write(&cp.store, claim).await;
+                                            }
+                                        }
+                                        Ok(ExecEvent::Stderr(bytes)) => {
+                                            stderr.push(&bytes);
+                                            if spool.push("stderr", &bytes) {
+                                                spool.write(&cp.store, claim).await;
+                                            }
+                                        }
                                         Ok(ExecEvent::Exit(status)) => break Ran::Exited(status),
                                         Err(e) => break classify_agent_error("running the command", e),
                                     },
+                                    // A follower sees the output grow (issue 22).
+                                    _ = spool_tick.tick() => spool.write(&cp.store, claim).await,
                                     // Also sees what a renewal found during the start.
                                     _ = renewal.changed() => match *renewal.borrow_and_update() {
                                         Renewal::Renewed => {}
@@ -681,7 +742,9 @@ async fn run_attempt(
                                     }
                                     _ = tokio::time::sleep_until(deadline) => break Ran::HostTimeout,
                                 }
-                            }
+                            };
+                            spool.write(&cp.store, claim).await;
+                            ran
                         }
                     }
                 }
@@ -706,7 +769,7 @@ async fn run_attempt(
     // Collect whatever the outcome, unless the attempt is void.
     let phase = Instant::now();
     let collect = matches!(ran, Ran::Exited(_) | Ran::HostTimeout) && !sweep.collect.is_empty();
-    let (collected, collect_note) = if collect {
+    let (mut collected, mut collect_note) = if collect {
         match cp.host.engine().agent(&sandbox).await {
             Ok(agent) => collect_files(&agent, &sweep.collect).await,
             Err(e) => (BTreeMap::new(), Some(format!("collect: guest agent: {e}"))),
@@ -714,6 +777,30 @@ async fn run_attempt(
     } else {
         (BTreeMap::new(), None)
     };
+    let keep_results = matches!(ran, Ran::Exited(_) | Ran::HostTimeout);
+    if let (true, Some(data)) = (keep_results, &sweep.data_path) {
+        if !data.results_under.is_empty() {
+            let (kept, note) = match cp.host.engine().agent(&sandbox).await {
+                Ok(agent) => {
+                    job_data::collect_results(
+                        &cp.store,
+                        &agent,
+                        info.account.id,
+                        data,
+                        &results_before,
+                    )
+                    .await
+                }
+                Err(e) => (BTreeMap::new(), Some(format!("results: guest agent: {e}"))),
+            };
+            collected.extend(kept);
+            let notes: Vec<String> = [collect_note.take(), results_note.take(), note]
+                .into_iter()
+                .flatten()
+                .collect();
+            collect_note = (!notes.is_empty()).then(|| notes.join("; "));
+        }
+    }
     timings.collect = ms(phase);
 
     // The sandbox goes; its last usage reading, taken for the meter just
@@ -731,7 +818,7 @@ async fn run_attempt(
     outcome.cpu_seconds = cpu_seconds;
     outcome.gib_seconds = gib_seconds;
     outcome.timings = Some(timings.json());
-    outcome.output_truncated = stdout.truncated || stderr.truncated;
+    outcome.output_truncated = stdout.truncated || stderr.truncated || spool.cut;
     outcome.stdout_tail = Some(stdout.text());
     outcome.stderr_tail = Some(stderr.text());
     outcome.elapsed_ms = Some(timings.run);
@@ -892,9 +979,14 @@ fn workdir(sweep: &SweepRow) -> &str {
     sweep.workdir.as_deref().unwrap_or(DEFAULT_WORKDIR)
 }
 
-/// Makes the working directory and writes the sweep's files (a fork child
-/// has them from its parent already).
-async fn prepare(agent: &AgentClient, info: &SweepInfo, forked: bool) -> Result<(), AgentError> {
+/// Makes the working directory and writes the sweep's files and inputs (a
+/// fork child has them from its parent already).
+async fn prepare(
+    cp: &ControlPlane,
+    agent: &AgentClient,
+    info: &SweepInfo,
+    forked: bool,
+) -> Result<(), InputError> {
     if forked {
         return Ok(());
     }
@@ -902,18 +994,36 @@ async fn prepare(agent: &AgentClient, info: &SweepInfo, forked: bool) -> Result<
     // right after a restore costs the guest fresh code translation under TCG.
     // Nor when a file goes into it: an upload makes its parents.
     let workdir = workdir(&info.row);
-    let made_by_upload = info.files.iter().any(|(path, _)| {
-        Path::new(path)
-            .parent()
-            .is_some_and(|dir| dir.starts_with(workdir))
-    });
+    let inputs = info.row.data_path.as_ref().map_or(&[][..], |d| &d.inputs[..]);
+    let made_by_upload = info
+        .files
+        .iter()
+        .map(|(path, _)| path)
+        .chain(inputs.iter().map(|i| &i.path))
+        .any(|path| {
+            Path::new(path)
+                .parent()
+                .is_some_and(|dir| dir.starts_with(workdir))
+        });
     if workdir != DEFAULT_WORKDIR && !made_by_upload {
         agent.make_dir(workdir).await?;
     }
     for (path, bytes) in &info.files {
         agent.write_file(path, None, &bytes[..]).await?;
     }
+    for input in inputs {
+        job_data::write_input(&cp.store, agent, info.account.id, input).await?;
+    }
     Ok(())
+}
+
+/// An input that could not be written: the guest's refusal or a lost
+/// channel as any agent error, unreadable job data fails the attempt.
+fn classify_input_error(e: InputError) -> Ran {
+    match e {
+        InputError::Agent(e) => classify_agent_error("preparing the sandbox", e),
+        InputError::Data(why) => Ran::Failed(why),
+    }
 }
 
 /// A guest's own refusal fails the attempt; a broken channel means the
@@ -1202,9 +1312,12 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
             .agent(&row.id)
             .await
             .map_err(|e| e.to_string())?;
-        prepare(&agent, info, false)
+        prepare(cp, &agent, info, false)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| match e {
+                InputError::Agent(e) => e.to_string(),
+                InputError::Data(why) => why,
+            })?;
         let mut env = sweep.env.clone();
         env.insert("SHOAL_SWEEP_ID".into(), sweep.id.clone());
         env.insert("SHOAL_JOB_ID".into(), sweep.job_id.to_string());
@@ -1296,11 +1409,11 @@ impl Tail {
 }
 
 /// Reads back the paths of `patterns` (globs allowed) within the limits.
-/// Returns path -> base64, and a note of what was left out.
+/// Returns path -> base64 (a JSON string), and a note of what was left out.
 async fn collect_files(
     agent: &AgentClient,
     patterns: &[String],
-) -> (BTreeMap<String, String>, Option<String>) {
+) -> (BTreeMap<String, Value>, Option<String>) {
     let mut collected = BTreeMap::new();
     let mut notes = Vec::new();
     let mut total = 0u64;
@@ -1338,7 +1451,7 @@ async fn collect_files(
                     total += bytes.len() as u64;
                     collected.insert(
                         path,
-                        base64::engine::general_purpose::STANDARD.encode(bytes),
+                        json!(base64::engine::general_purpose::STANDARD.encode(bytes)),
                     );
                 }
                 Err(e) => notes.push(format!("{path}: {e}")),

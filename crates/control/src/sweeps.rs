@@ -15,7 +15,8 @@ use axum::Json;
 use base64::Engine as _;
 use serde_json::{json, Map, Value};
 use shoal_store::{
-    Account, CellFilter, CellRow, CellState, Metadata, NewSweep, SweepRow, SweepState, SweepSummary,
+    Account, CellFilter, CellRow, CellState, DataPath, InputFile, Metadata, NewSweep, SweepRow,
+    SweepState, SweepSummary,
 };
 use std::sync::Arc;
 
@@ -34,6 +35,14 @@ const MAX_RETRIES: u64 = 10;
 /// What a list of cells shows of stdout and stderr (the end).
 const LIST_OUTPUT: usize = 4096;
 const DEFAULT_CELL_LIMIT: u32 = 100;
+/// A job's input files at most, in number and in bytes (every task's
+/// sandbox gets them all on its disk).
+pub const MAX_INPUT_FILES: usize = 20_000;
+pub const MAX_INPUT_BYTES: u64 = 2 << 30;
+/// Directories `results_under` may name.
+const MAX_RESULT_DIRS: usize = 16;
+/// What one read of a cell's live output returns at most.
+const OUTPUT_PAGE: usize = 4 << 20;
 const MAX_CELL_LIMIT: u32 = 1000;
 
 fn new_id() -> String {
@@ -112,6 +121,116 @@ fn cells(body: &Map<String, Value>) -> ApiResult<Vec<String>> {
         return Err(bad("cells: at least one cell"));
     }
     Ok(values)
+}
+
+/// `inputs` (`[{"path", "digest", "size", "mode"}]`, blobs the account
+/// holds) and `results_under` (absolute directories) into a data path;
+/// `None` when neither is given. Names the blobs as used now.
+async fn data_path(
+    cp: &ControlPlane,
+    account: &Account,
+    body: &Map<String, Value>,
+) -> ApiResult<Option<DataPath>> {
+    let inputs = field(body, "inputs");
+    let results = field(body, "results_under");
+    if inputs.is_none() && results.is_none() {
+        return Ok(None);
+    }
+    let mut data = DataPath::default();
+    if let Some(items) = inputs {
+        let items = items
+            .as_array()
+            .ok_or_else(|| bad("inputs must be a list of {path, digest, size, mode}"))?;
+        if items.len() > MAX_INPUT_FILES {
+            return Err(bad(format!("inputs: at most {MAX_INPUT_FILES} files")));
+        }
+        let mut total = 0u64;
+        let mut seen = std::collections::BTreeSet::new();
+        for item in items {
+            let path = item["path"]
+                .as_str()
+                .ok_or_else(|| bad("inputs: every input needs a path"))?;
+            absolute("inputs", path)?;
+            if std::path::Path::new(path)
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+            {
+                return Err(bad(format!("inputs: {path:?} climbs with ..")));
+            }
+            if !seen.insert(path.to_owned()) {
+                return Err(bad(format!("inputs: {path} given twice")));
+            }
+            let digest = item["digest"]
+                .as_str()
+                .filter(|d| crate::blobs::is_digest(d))
+                .ok_or_else(|| bad(format!("inputs.{path}: digest must be a SHA-256 digest")))?;
+            let size = item["size"]
+                .as_u64()
+                .ok_or_else(|| bad(format!("inputs.{path}: size must be a byte count")))?;
+            let mode = match &item["mode"] {
+                Value::Null => 0o644,
+                v => v
+                    .as_u64()
+                    .filter(|m| *m <= 0o7777)
+                    .ok_or_else(|| bad(format!("inputs.{path}: mode must be permission bits")))?
+                    as u32,
+            };
+            total += size;
+            data.inputs.push(InputFile {
+                path: path.to_owned(),
+                digest: digest.to_owned(),
+                size,
+                mode,
+            });
+        }
+        if total > MAX_INPUT_BYTES {
+            return Err(bad(format!(
+                "inputs: at most {MAX_INPUT_BYTES} bytes in all ({total} given)"
+            )));
+        }
+        let digests: Vec<String> = data.inputs.iter().map(|i| i.digest.clone()).collect();
+        let missing = cp.store.missing_blobs(account.id, &digests).await?;
+        if !missing.is_empty() {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!(
+                    "inputs: {} blob(s) not uploaded (PUT /v1/blobs/{{sha256}} first): {}",
+                    missing.len(),
+                    missing.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
+        // The sizes are the blobs', not the caller's word.
+        for input in &mut data.inputs {
+            input.size = cp
+                .store
+                .blob_size(account.id, &input.digest)
+                .await?
+                .unwrap_or(input.size);
+        }
+        cp.store.touch_blobs(account.id, &digests, now()).await?;
+    }
+    if let Some(dirs) = results {
+        let dirs = dirs
+            .as_array()
+            .ok_or_else(|| bad("results_under must be a list of directories"))?;
+        if dirs.len() > MAX_RESULT_DIRS {
+            return Err(bad(format!(
+                "results_under: at most {MAX_RESULT_DIRS} directories"
+            )));
+        }
+        for dir in dirs {
+            let dir = dir
+                .as_str()
+                .ok_or_else(|| bad("results_under must be a list of directories"))?;
+            absolute("results_under", dir)?;
+            if dir == "/" {
+                return Err(bad("results_under: not the root directory"));
+            }
+            data.results_under.push(dir.trim_end_matches('/').to_owned());
+        }
+    }
+    Ok(Some(data))
 }
 
 /// Reads a create body into a sweep, checking every field.
@@ -240,6 +359,7 @@ async fn new_sweep(
         workdir,
         files,
         slurm,
+        data_path: data_path(cp, account, body).await?,
     })
 }
 
@@ -281,6 +401,8 @@ fn sweep_json(row: &SweepRow, summary: &SweepSummary) -> Value {
         "fork_from": row.fork_from,
         "after_ok": row.after_ok,
         "slurm": row.slurm,
+        "inputs": row.data_path.as_ref().map(|d| d.inputs.len()),
+        "results_under": row.data_path.as_ref().map(|d| &d.results_under),
     })
 }
 
@@ -545,6 +667,49 @@ pub async fn cell(
         .await?
         .ok_or_else(not_found)?;
     Ok(Json(cell_json(&row, &cell, true)))
+}
+
+/// `GET /v1/sweeps/{id}/cells/{index}/output?from=SEQ`: what the cell's
+/// latest attempt printed, flush by flush from `from` (default 0), at most
+/// 4 MiB: `{"epoch", "chunks": [{"seq", "stream", "data" (base64)}],
+/// "next"}`. `epoch` changes when the cell is tried again (its output
+/// starts over).
+pub async fn cell_output(
+    State(cp): St,
+    Caller(account): Caller,
+    Path((id, index)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+) -> ApiResult<Json<Value>> {
+    let row = owned(&cp, &account, &id).await?;
+    let index: u32 = index
+        .parse()
+        .ok()
+        .filter(|i| (*i as usize) < row.cells.len())
+        .ok_or_else(|| ApiError::not_found("cell not found"))?;
+    let mut from = 0u64;
+    for (key, value) in query_pairs(q)? {
+        if key == "from" {
+            from = value
+                .parse()
+                .map_err(|_| bad(format!("from must be a flush number: {value:?}")))?;
+        }
+    }
+    let Some((epoch, chunks)) = cp.store.cell_output(&row.id, index, from, OUTPUT_PAGE).await?
+    else {
+        return Ok(Json(json!({ "epoch": null, "chunks": [], "next": from })));
+    };
+    let next = chunks.last().map_or(from, |c| c.seq + 1);
+    let chunks: Vec<Value> = chunks
+        .iter()
+        .map(|c| {
+            json!({
+                "seq": c.seq,
+                "stream": c.stream,
+                "data": base64::engine::general_purpose::STANDARD.encode(&c.data),
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "epoch": epoch, "chunks": chunks, "next": next })))
 }
 
 #[cfg(test)]
