@@ -12,6 +12,7 @@ mod bench_template;
 mod fleet;
 mod slurm;
 mod templates;
+mod tree;
 mod up;
 
 use anyhow::{Context, Result};

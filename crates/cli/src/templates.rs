@@ -37,62 +37,24 @@ pub struct RemoteBuildArgs {
 /// The files of a build context, by path relative to its root, skipping
 /// what `.dockerignore` names (whole paths or `dir/` prefixes; `#` comments).
 fn context_files(root: &Path) -> Result<Vec<(String, PathBuf)>> {
-    let ignored: Vec<String> = std::fs::read_to_string(root.join(".dockerignore"))
-        .unwrap_or_default()
-        .lines()
-        .map(|l| l.trim().trim_start_matches("./").trim_end_matches('/'))
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(str::to_owned)
-        .collect();
-    let is_ignored = |rel: &str| {
-        ignored.iter().any(|pattern| {
-            rel == pattern
-                || rel.starts_with(&format!("{pattern}/"))
-                || glob::Pattern::new(pattern).is_ok_and(|p| p.matches(rel))
-        })
+    let walk = crate::tree::Walk {
+        ignore_file: ".dockerignore",
+        always_skip: &[],
+        max_files: MAX_CONTEXT_FILES,
+        max_bytes: MAX_CONTEXT_BYTES,
     };
-    let mut files = Vec::new();
-    let mut total = 0u64;
-    let mut pending = vec![root.to_path_buf()];
-    while let Some(dir) = pending.pop() {
-        let entries =
-            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?;
-        for entry in entries {
-            let entry = entry?;
-            let path = entry.path();
-            let rel = path
-                .strip_prefix(root)
-                .expect("under the root")
-                .to_string_lossy()
-                .into_owned();
-            if is_ignored(&rel) {
-                continue;
-            }
-            // Not followed: a link could name anything on this machine.
-            let kind = entry.file_type()?;
-            if kind.is_dir() {
-                pending.push(path);
-            } else if kind.is_file() {
-                total += entry.metadata()?.len();
-                if total > MAX_CONTEXT_BYTES {
-                    bail!(
-                        "the build context {} is over 50 MiB (name what the build does not \
-                         need in .dockerignore)",
-                        root.display()
-                    );
-                }
-                files.push((rel, path));
-                if files.len() > MAX_CONTEXT_FILES {
-                    bail!(
-                        "the build context {} holds over {MAX_CONTEXT_FILES} files",
-                        root.display()
-                    );
-                }
-            }
+    match walk.files(root) {
+        Ok(files) => Ok(files.into_iter().map(|f| (f.rel, f.path)).collect()),
+        Err(crate::tree::WalkError::TooManyBytes(_)) => bail!(
+            "the build context {} is over 50 MiB (name what the build does not need in \
+             .dockerignore)",
+            root.display()
+        ),
+        Err(crate::tree::WalkError::TooManyFiles(n)) => {
+            bail!("the build context {} holds over {n} files", root.display())
         }
+        Err(crate::tree::WalkError::Io(e)) => Err(e),
     }
-    files.sort();
-    Ok(files)
 }
 
 pub async fn build(name: &str, args: &RemoteBuildArgs) -> Result<std::process::ExitCode> {

@@ -13,6 +13,10 @@ use super::config::Config;
 
 /// Cells per page (the API's maximum).
 const PAGE: usize = 1000;
+/// Digests per `missing` call.
+const DIGEST_BATCH: usize = 10_000;
+/// A blob's transfer at most (1 GiB at a little over 2 Mbit/s).
+const BLOB_TRANSFER: std::time::Duration = std::time::Duration::from_secs(3600);
 
 pub struct Api {
     http: reqwest::Client,
@@ -160,6 +164,97 @@ impl Api {
             reqwest::Method::POST,
             &format!("/v1/sweeps/{id}/requeue"),
             Some(&json!({})),
+        )
+        .await
+    }
+
+    /// The digests the API holds no blob of for the caller (sorted).
+    pub async fn missing_blobs(&self, digests: &[String]) -> Result<Vec<String>> {
+        let mut missing = Vec::new();
+        for batch in digests.chunks(DIGEST_BATCH) {
+            let v = self
+                .call(
+                    reqwest::Method::POST,
+                    "/v1/blobs/missing",
+                    Some(&json!({ "digests": batch })),
+                )
+                .await?;
+            missing.extend(
+                v["missing"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|d| d.as_str().map(str::to_owned)),
+            );
+        }
+        missing.sort();
+        missing.dedup();
+        Ok(missing)
+    }
+
+    /// Uploads a file as the blob `digest` (the API checks the digest).
+    pub async fn put_blob(&self, digest: &str, file: &std::path::Path) -> Result<()> {
+        let opened = tokio::fs::File::open(file)
+            .await
+            .with_context(|| format!("reading {}", file.display()))?;
+        let size = opened.metadata().await?.len();
+        let request = self
+            .request(reqwest::Method::PUT, &format!("/v1/blobs/{digest}"))
+            .timeout(BLOB_TRANSFER)
+            .header(reqwest::header::CONTENT_LENGTH, size)
+            .body(reqwest::Body::from(opened));
+        self.open(request).await?;
+        Ok(())
+    }
+
+    /// Writes the caller's blob `digest` to `to` (through a file beside it,
+    /// renamed once whole and checked against the digest).
+    pub async fn get_blob(&self, digest: &str, to: &std::path::Path) -> Result<()> {
+        use sha2::Digest as _;
+        use tokio::io::AsyncWriteExt as _;
+        let request = self
+            .request(reqwest::Method::GET, &format!("/v1/blobs/{digest}"))
+            .timeout(BLOB_TRANSFER);
+        let mut response = self.open(request).await?;
+        let partial = to.with_file_name(format!(
+            ".{}.shoal-part",
+            to.file_name().and_then(|n| n.to_str()).unwrap_or("file")
+        ));
+        let mut out = tokio::fs::File::create(&partial)
+            .await
+            .with_context(|| format!("writing {}", partial.display()))?;
+        let mut hasher = sha2::Sha256::new();
+        let written = async {
+            while let Some(chunk) = response.chunk().await? {
+                hasher.update(&chunk);
+                out.write_all(&chunk).await?;
+            }
+            out.flush().await?;
+            anyhow::Ok(())
+        }
+        .await;
+        let got = hex::encode(hasher.finalize());
+        if let Err(e) = written.and_then(|()| {
+            if got == digest {
+                Ok(())
+            } else {
+                Err(anyhow!("the download's SHA-256 is {got}, not {digest}"))
+            }
+        }) {
+            let _ = tokio::fs::remove_file(&partial).await;
+            return Err(e);
+        }
+        tokio::fs::rename(&partial, to)
+            .await
+            .with_context(|| format!("writing {}", to.display()))
+    }
+
+    /// What a cell's latest attempt printed from flush `from` on.
+    pub async fn cell_output(&self, id: &str, index: u64, from: u64) -> Result<Value> {
+        self.call(
+            reqwest::Method::GET,
+            &format!("/v1/sweeps/{id}/cells/{index}/output?from={from}"),
+            None,
         )
         .await
     }

@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use base64::Engine as _;
 use serde_json::Value;
 use shoal_slurm::PatternContext;
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -58,13 +58,25 @@ fn is_finished_sweep(state: &str) -> bool {
     matches!(state, "done" | "cancelled")
 }
 
-/// Follows job `id` until it is over, writing each task's files as it
-/// finishes. `loud`: say on stderr what went wrong with a file.
+/// What the follower has written of one task.
+#[derive(Debug, Default)]
+struct Written {
+    /// The attempt whose output is in the files (`None`: none yet).
+    epoch: Option<u64>,
+    /// The next flush of that attempt's output to read.
+    next: u64,
+    /// The task is over and everything of it is written.
+    done: bool,
+}
+
+/// Follows job `id` until it is over, writing each task's output as it
+/// grows and its result files when it finishes. `loud`: say on stderr
+/// what went wrong with a file.
 pub async fn follow(api: &Api, id: &str, loud: bool) -> Result<Outcome> {
-    let mut written = BTreeSet::new();
+    let mut written = BTreeMap::new();
     let mut last_ok = Instant::now();
     loop {
-        match pass(api, id, &mut written, loud).await {
+        match pass(api, id, &mut written, true, loud).await {
             Ok(Some(outcome)) => return Ok(outcome),
             Ok(None) => last_ok = Instant::now(),
             Err(e) if last_ok.elapsed() > GIVE_UP_AFTER => return Err(e),
@@ -78,12 +90,14 @@ pub async fn follow(api: &Api, id: &str, loud: bool) -> Result<Outcome> {
     }
 }
 
-/// One look at the job: writes the files of tasks finished since the last
-/// look. `Some` once the job is over and everything is written.
+/// One look at the job: adds what running tasks printed since the last
+/// look (when `live`) and writes the whole of tasks finished since. `Some`
+/// once the job is over and everything is written.
 async fn pass(
     api: &Api,
     id: &str,
-    written: &mut BTreeSet<u64>,
+    written: &mut BTreeMap<u64, Written>,
+    live: bool,
     loud: bool,
 ) -> Result<Option<Outcome>> {
     let sweep = api
@@ -95,24 +109,56 @@ async fn pass(
     let mut outcome = Outcome::default();
     for cell in &cells {
         let state = cell["state"].as_str().unwrap_or("");
-        if !is_finished_cell(state) {
-            continue;
+        let finished = is_finished_cell(state);
+        if finished {
+            match (state, cell["exit_code"].as_i64()) {
+                ("succeeded" | "failed", Some(code)) => {
+                    outcome.max_exit = outcome.max_exit.max(code)
+                }
+                _ => outcome.abnormal += 1,
+            }
         }
-        match (state, cell["exit_code"].as_i64()) {
-            ("succeeded" | "failed", Some(code)) => outcome.max_exit = outcome.max_exit.max(code),
-            _ => outcome.abnormal += 1,
+        let started = !cell["started_at"].is_null() || !cell["sandbox_id"].is_null();
+        if !(finished || live && state == "running" && started) {
+            continue;
         }
         let index = cell["index"].as_u64().unwrap_or(0);
-        if written.contains(&index) {
+        let task = written.entry(index).or_default();
+        if task.done {
             continue;
         }
-        let whole = api.cell(id, index).await?;
-        if let Err(e) = write_task(&sweep, &whole) {
+        let files = match task_files(&sweep, cell) {
+            Ok(files) => files,
+            Err(e) => {
+                if loud {
+                    eprintln!("sbatch: task {index} of job {id}: {e:#}");
+                }
+                task.done = finished;
+                continue;
+            }
+        };
+        if !started {
+            // Cancelled while pending: no files, as in Slurm.
+            task.done = true;
+            continue;
+        }
+        if let Err(e) = follow_output(api, id, index, &files, task).await {
             if loud {
                 eprintln!("sbatch: task {index} of job {id}: {e:#}");
             }
+            if !finished {
+                continue;
+            }
         }
-        written.insert(index);
+        if finished {
+            let whole = api.cell(id, index).await?;
+            if let Err(e) = finish_task(api, &whole, &files, task).await {
+                if loud {
+                    eprintln!("sbatch: task {index} of job {id}: {e:#}");
+                }
+            }
+            task.done = true;
+        }
     }
     Ok(over.then_some(outcome))
 }
@@ -121,9 +167,10 @@ async fn pass(
 /// once (again if they were already written).
 pub async fn sync(api: &Api, ids: &[String]) -> Result<()> {
     for id in ids {
-        let mut written = BTreeSet::new();
-        pass(api, id, &mut written, true).await?;
-        println!("job {id}: {} finished task(s) written", written.len());
+        let mut written = BTreeMap::new();
+        pass(api, id, &mut written, false, true).await?;
+        let done = written.values().filter(|w| w.done).count();
+        println!("job {id}: {done} finished task(s) written");
     }
     Ok(())
 }
@@ -166,12 +213,52 @@ pub fn task_context(sweep: &Value, cell: &Value) -> PatternContext {
     }
 }
 
-/// Writes one finished task's output files and collected files. A task
-/// that never started (cancelled while pending) has none, as in Slurm.
-fn write_task(sweep: &Value, cell: &Value) -> Result<()> {
-    if cell["started_at"].is_null() && cell["sandbox_id"].is_null() {
-        return Ok(());
+/// Where one task's output goes, and how.
+struct TaskFiles {
+    work_dir: PathBuf,
+    submit_dir: Option<PathBuf>,
+    paths: shoal_slurm::OutputPaths,
+    /// `--open-mode=append`: added to, never truncated.
+    append: bool,
+    ctx: PatternContext,
+}
+
+impl TaskFiles {
+    /// Adds to a stream's file.
+    fn add(&self, stream: &str, bytes: &[u8]) -> Result<()> {
+        let path = if stream == "stderr" {
+            &self.paths.stderr
+        } else {
+            &self.paths.stdout
+        };
+        append_file(path, bytes)
     }
+
+    /// Starts the files of an attempt: empty, unless appending.
+    fn start(&self) -> Result<()> {
+        if self.append {
+            return append_file(&self.paths.stdout, b"")
+                .and_then(|()| append_file(&self.paths.stderr, b""));
+        }
+        write_file(&self.paths.stdout, b"")?;
+        if !self.paths.same_file() {
+            write_file(&self.paths.stderr, b"")?;
+        }
+        Ok(())
+    }
+
+    /// Where a file the task left in the sandbox goes here: the same
+    /// path, if it is under the working or the submit directory.
+    fn local(&self, sandbox_path: &str) -> Option<PathBuf> {
+        local_path(&self.work_dir, sandbox_path).or_else(|| {
+            self.submit_dir
+                .as_deref()
+                .and_then(|dir| local_path(dir, sandbox_path))
+        })
+    }
+}
+
+fn task_files(sweep: &Value, cell: &Value) -> Result<TaskFiles> {
     let slurm = &sweep["slurm"];
     let work_dir = PathBuf::from(
         slurm["work_dir"]
@@ -185,9 +272,81 @@ fn write_task(sweep: &Value, cell: &Value) -> Result<()> {
         &ctx,
         &work_dir,
     );
-    let stdout = cell["stdout"].as_str().unwrap_or("");
-    let mut stderr = cell["stderr"].as_str().unwrap_or("").to_owned();
-    // slurmstepd's own line, which Slurm writes to the task's stderr.
+    Ok(TaskFiles {
+        work_dir,
+        submit_dir: slurm["submit_dir"].as_str().map(PathBuf::from),
+        paths,
+        append: slurm["open_mode"].as_str() == Some("append"),
+        ctx,
+    })
+}
+
+/// Adds what the task's attempt printed since the last look to its files;
+/// a new attempt starts them over.
+async fn follow_output(
+    api: &Api,
+    id: &str,
+    index: u64,
+    files: &TaskFiles,
+    task: &mut Written,
+) -> Result<()> {
+    loop {
+        let page = api.cell_output(id, index, task.next).await?;
+        let Some(epoch) = page["epoch"].as_u64() else {
+            return Ok(());
+        };
+        if task.epoch != Some(epoch) {
+            if task.next > 0 {
+                // Tried again: its output starts over, from its first flush.
+                task.next = 0;
+                task.epoch = None;
+                continue;
+            }
+            files.start()?;
+            task.epoch = Some(epoch);
+        }
+        let chunks = page["chunks"].as_array().cloned().unwrap_or_default();
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        for chunk in &chunks {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(chunk["data"].as_str().unwrap_or(""))
+                .context("the API sent output that is not base64")?;
+            files.add(chunk["stream"].as_str().unwrap_or("stdout"), &bytes)?;
+        }
+        task.next = page["next"]
+            .as_u64()
+            .unwrap_or(task.next + chunks.len() as u64);
+    }
+}
+
+/// What ends a finished task's files: its output if none was followed
+/// (from the cell's tails), slurmstepd's line for a time limit or a
+/// cancel, and the files it made or changed in the submit directory.
+async fn finish_task(api: &Api, cell: &Value, files: &TaskFiles, task: &Written) -> Result<()> {
+    for (digest, local, path) in finish_locally(cell, files, task)? {
+        api.get_blob(&digest, &local)
+            .await
+            .with_context(|| format!("fetching {path}"))?;
+    }
+    Ok(())
+}
+
+/// [`finish_task`] but for the results kept as blobs, which it returns
+/// (digest, where it goes, the sandbox's path) for the caller to fetch.
+fn finish_locally(
+    cell: &Value,
+    files: &TaskFiles,
+    task: &Written,
+) -> Result<Vec<(String, PathBuf, String)>> {
+    if task.epoch.is_none() {
+        files.start()?;
+        // Output the API did not spool as it came (a server before the
+        // live output, or an attempt that printed nothing).
+        files.add("stdout", cell["stdout"].as_str().unwrap_or("").as_bytes())?;
+        files.add("stderr", cell["stderr"].as_str().unwrap_or("").as_bytes())?;
+    }
     let state = cell["state"].as_str().unwrap_or("");
     if state == "timeout" || state == "cancelled" {
         let due = if state == "timeout" {
@@ -200,38 +359,40 @@ fn write_task(sweep: &Value, cell: &Value) -> Result<()> {
             .unwrap_or("")
             .get(..19)
             .unwrap_or("");
-        stderr.push_str(&format!(
+        let line = format!(
             "slurmstepd: error: *** JOB {} ON {} CANCELLED AT {at}{due} ***\n",
-            ctx.job_id, ctx.node
-        ));
+            files.ctx.job_id, files.ctx.node
+        );
+        files.add("stderr", line.as_bytes())?;
     }
-    // --open-mode=append: every task adds to the file (a shared `-o all.out`).
-    let append = slurm["open_mode"].as_str() == Some("append");
-    let output = |path: &Path, bytes: &[u8]| {
-        if append {
-            append_file(path, bytes)
-        } else {
-            write_file(path, bytes)
-        }
+    let mut fetch = Vec::new();
+    let Some(collected) = cell["collected"].as_object() else {
+        return Ok(fetch);
     };
-    if paths.same_file() {
-        output(&paths.stdout, format!("{stdout}{stderr}").as_bytes())?;
-    } else {
-        output(&paths.stdout, stdout.as_bytes())?;
-        output(&paths.stderr, stderr.as_bytes())?;
-    }
-    if let Some(files) = cell["collected"].as_object() {
-        for (path, content) in files {
-            let Some(local) = local_path(&work_dir, path) else {
-                continue;
-            };
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(content.as_str().unwrap_or(""))
-                .with_context(|| format!("collected file {path}"))?;
-            write_file(&local, &bytes)?;
+    for (path, content) in collected {
+        let Some(local) = files.local(path) else {
+            continue;
+        };
+        match content {
+            // A result kept as a blob: any size, fetched as a stream.
+            Value::Object(blob) => {
+                let digest = blob.get("blob").and_then(Value::as_str).unwrap_or("");
+                if let Some(dir) = local.parent() {
+                    std::fs::create_dir_all(dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
+                }
+                fetch.push((digest.to_owned(), local, path.clone()));
+            }
+            // A collected file inline, base64.
+            other => {
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(other.as_str().unwrap_or(""))
+                    .with_context(|| format!("collected file {path}"))?;
+                write_file(&local, &bytes)?;
+            }
         }
     }
-    Ok(())
+    Ok(fetch)
 }
 
 /// The local path of a file collected from the sandbox's working directory
@@ -271,6 +432,13 @@ fn append_file(path: &Path, bytes: &[u8]) -> Result<()> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// What the follower writes of a finished task whose output was not
+    /// followed live.
+    fn write_task(sweep: &Value, cell: &Value) -> Result<Vec<(String, PathBuf, String)>> {
+        let files = task_files(sweep, cell)?;
+        finish_locally(cell, &files, &Written::default())
+    }
 
     #[test]
     fn collected_files_stay_inside_the_work_dir() {
@@ -327,5 +495,44 @@ mod tests {
         }
         let all = std::fs::read_to_string(dir.path().join("all.out")).unwrap();
         assert_eq!(all, "task 2\n");
+    }
+
+    #[test]
+    fn followed_output_is_kept_and_blob_results_are_fetched_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("run");
+        let sweep = json!({"job_id": 7, "name": "n", "slurm": {
+            "job_name": "j", "user": "ada", "work_dir": work.to_str(),
+            "submit_dir": dir.path().to_str(), "output": null, "error": null}});
+        let cell = json!({"index": 0, "value": "0", "job_id": 7, "state": "timeout",
+            "sandbox_id": "sb_9", "started_at": "x", "finished_at": "2026-12-07T01:02:03Z",
+            "stdout": "tail only\n", "stderr": "",
+            "collected": {
+                format!("{}/out/big.bin", work.display()): {"blob": "ab", "size": 3},
+                format!("{}/sibling.txt", dir.path().display()): {"blob": "cd", "size": 1},
+                "/etc/shadow": {"blob": "ef", "size": 1}}});
+        let files = task_files(&sweep, &cell).unwrap();
+        // Followed live: the file holds what was printed, and only the
+        // slurmstepd line is added.
+        files.start().unwrap();
+        files.add("stdout", b"live 1\n").unwrap();
+        let followed = Written { epoch: Some(1), next: 1, done: false };
+        let fetch = finish_locally(&cell, &files, &followed).unwrap();
+        let out = std::fs::read_to_string(work.join("slurm-7.out")).unwrap();
+        assert_eq!(
+            out,
+            "live 1\nslurmstepd: error: *** JOB 7 ON sb_9 CANCELLED AT 2026-12-07T01:02:03 \
+             DUE TO TIME LIMIT ***\n"
+        );
+        let targets: Vec<(String, PathBuf)> =
+            fetch.into_iter().map(|(d, local, _)| (d, local)).collect();
+        assert_eq!(
+            targets,
+            [
+                ("ab".to_owned(), work.join("out/big.bin")),
+                ("cd".to_owned(), dir.path().join("sibling.txt")),
+            ]
+        );
+        assert!(work.join("out").is_dir());
     }
 }

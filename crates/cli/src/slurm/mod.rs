@@ -12,6 +12,7 @@
 pub mod api;
 pub mod config;
 pub mod follow;
+pub mod inputs;
 pub mod sbatch;
 pub mod views;
 

@@ -54,6 +54,8 @@ pub struct Invocation {
     pub wrap: Option<String>,
     /// `--test-only`: check and say what would run, submit nothing.
     pub test_only: bool,
+    /// `--input PATH`: more inputs than the submit directory.
+    pub inputs: Vec<String>,
 }
 
 /// Long options that take no value (every other long option does, unless
@@ -107,6 +109,15 @@ pub fn split_args(args: &[String]) -> Invocation {
         }
         if a == "--wrap" {
             inv.wrap = args.get(i).cloned();
+            i += 1;
+            continue;
+        }
+        if let Some(path) = a.strip_prefix("--input=") {
+            inv.inputs.push(path.to_owned());
+            continue;
+        }
+        if a == "--input" {
+            inv.inputs.extend(args.get(i).cloned());
             i += 1;
             continue;
         }
@@ -294,6 +305,21 @@ pub fn work_dir(d: &Directives, submit_dir: &Path) -> PathBuf {
     }
 }
 
+/// The directories whose new and changed files come back: the submit
+/// directory, and the working directory when it is outside it.
+fn results_under(submit_dir: &Path, work: &Path) -> Result<Vec<String>> {
+    let utf8 = |p: &Path| {
+        p.to_str()
+            .map(str::to_owned)
+            .with_context(|| format!("{} is not UTF-8", p.display()))
+    };
+    let mut dirs = vec![utf8(submit_dir)?];
+    if !work.starts_with(submit_dir) {
+        dirs.push(utf8(work)?);
+    }
+    Ok(dirs)
+}
+
 /// `after_ok` of the sweep: only `afterok` on whole jobs has a meaning in
 /// the sweeps API; anything else is refused with the reason.
 fn after_ok(d: &Directives) -> Result<Vec<String>> {
@@ -373,9 +399,10 @@ pub fn sweep_request(
             SCRIPT_PATH: base64::engine::general_purpose::STANDARD.encode(&script.body),
             format!("{SRUN_DIR}/srun"): base64::engine::general_purpose::STANDARD.encode(SRUN),
         },
-        // What the script leaves in its working directory comes back to
-        // the submit machine, as on a shared filesystem (two levels deep).
-        "collect": [format!("{work_s}/*"), format!("{work_s}/*/*")],
+        // What a task writes or changes under the submit directory (and
+        // the working directory, if elsewhere) comes back, as on a shared
+        // filesystem.
+        "results_under": results_under(&who.submit_dir, &work)?,
         "after_ok": after_ok(d)?,
         "env": shoal_slurm::exported_environment(d.export.as_deref(), who.environment.clone())?,
         "slurm": {
@@ -408,6 +435,16 @@ pub fn sweep_request(
         body["throttle"] = json!(throttle);
     }
     Ok(body)
+}
+
+/// Bytes as sbatch users read them.
+fn human_bytes(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / (1u64 << 10) as f64),
+        b => format!("{b} B"),
+    }
 }
 
 /// What `--test-only` prints instead of submitting, in sbatch's words
@@ -505,10 +542,31 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
         &who,
         &config,
     )?;
+    let mut extra_inputs = super::inputs::directive_inputs(&text);
+    extra_inputs.extend(inv.inputs.iter().cloned());
+    let inputs = super::inputs::gather(&who.submit_dir, &extra_inputs)?;
     if inv.test_only {
         eprintln!("{}", test_only_line(&body, &template));
+        eprintln!(
+            "sbatch: the tasks would see {} input file(s), {} in all, at their paths here",
+            inputs.len(),
+            human_bytes(inputs.iter().map(|i| i.size).sum())
+        );
         return Ok(std::process::ExitCode::SUCCESS);
     }
+    let mut body = body;
+    let sent = super::inputs::send(&api, &inputs)
+        .await
+        .context("Batch job submission failed: sending the inputs")?;
+    if sent.files > 0 {
+        eprintln!(
+            "sbatch: sent {} input file(s), {} ({} unchanged since an earlier job)",
+            sent.files,
+            human_bytes(sent.bytes),
+            sent.unchanged
+        );
+    }
+    body["inputs"] = Value::Array(sent.inputs);
     let sweep = api
         .create_sweep(&body)
         .await
