@@ -554,3 +554,198 @@ fn slurm_scripts_run_unchanged_on_postgres() {
         |url, state| async move { slurm_scripts_run_unchanged(&url, state).await },
     );
 }
+
+/// A lab's array job: reads its inputs from the submit directory, writes
+/// results there (one of 20 MiB), and prints a line a second.
+const LAB_SCRIPT: &str = r#"#!/bin/bash
+#SBATCH --job-name=lab
+#SBATCH --array=1-3
+#SBATCH --output=logs/%x_%A_%a.out
+#SHOAL --input ../shared/ref.txt
+cd "$SLURM_SUBMIT_DIR"
+sample=$(sed -n "${SLURM_ARRAY_TASK_ID}p" samples.txt)
+mkdir -p out
+{ cat data/header.txt; echo "$sample"; cat ../shared/ref.txt; } > "out/$sample.txt"
+echo "mode $(stat -c %a samples.txt) scratch $(test -e scratch/huge.bin && echo travelled || echo absent)"
+if [ "$SLURM_ARRAY_TASK_ID" = 1 ]; then
+  head -c 20971520 /dev/urandom > out/big.bin
+  sha256sum out/big.bin | cut -d' ' -f1 > out/big.sha
+  for i in 1 2 3 4 5 6 7 8; do echo "tick $i"; sleep 1; done
+fi
+"#;
+
+/// Lines of `path` as they appear, each with when it was first seen.
+fn watch_lines(path: &Path, until: &str, limit: Duration) -> Vec<(String, Instant)> {
+    let deadline = Instant::now() + limit;
+    let mut seen: Vec<(String, Instant)> = Vec::new();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            for line in text.lines().skip(seen.len()) {
+                seen.push((line.to_owned(), Instant::now()));
+            }
+            if seen.iter().any(|(l, _)| l == until) {
+                return seen;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never showed {until:?}: {seen:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+async fn lab_jobs_carry_their_data(database_url: &str, state: PathBuf) {
+    use sha2::Digest as _;
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::create_dir_all(&state).unwrap();
+    let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+        .database_url(database_url)
+        .start()
+        .await;
+    let project = state.join("project");
+    let submit = project.join("run");
+    std::fs::create_dir_all(submit.join("data")).unwrap();
+    std::fs::create_dir_all(submit.join("scratch")).unwrap();
+    std::fs::create_dir_all(project.join("shared")).unwrap();
+    std::fs::write(submit.join("samples.txt"), "alpha\nbeta\ngamma\n").unwrap();
+    std::fs::write(submit.join("data/header.txt"), "# header\n").unwrap();
+    std::fs::write(submit.join("scratch/huge.bin"), "not an input").unwrap();
+    std::fs::write(submit.join(".shoalignore"), "scratch/\n").unwrap();
+    std::fs::write(project.join("shared/ref.txt"), "ref-1\n").unwrap();
+    let user = User {
+        dir: submit.clone(),
+        api: up.base().to_owned(),
+        token: up.token("lab"),
+    };
+    user.write("lab.sh", LAB_SCRIPT);
+
+    let (job, stderr) = user.sbatch(&["lab.sh"]);
+    assert!(
+        stderr.contains("sent 5 input file(s)"),
+        "samples, header, .shoalignore, lab.sh and ../shared/ref.txt travel, scratch does not: {stderr}"
+    );
+    // Live: task 1's ticks reach its file a second apart, while it runs,
+    // each within 2 s of when it was printed (measured from the first).
+    let log = submit.join(format!("logs/lab_{job}_1.out"));
+    let lines = watch_lines(&log, "tick 8", Duration::from_secs(300));
+    let first = lines
+        .iter()
+        .position(|(l, _)| l == "tick 1")
+        .expect("tick 1");
+    let t1 = lines[first].1;
+    let mut worst = 0.0f64;
+    for (k, (line, at)) in lines[first..].iter().enumerate() {
+        assert_eq!(line, &format!("tick {}", k + 1));
+        let lag = at.duration_since(t1).as_secs_f64() - k as f64;
+        worst = worst.max(lag.abs());
+    }
+    println!("live output: 8 ticks, worst lag against the first {worst:.2} s");
+    assert!(
+        worst <= 2.0,
+        "a line reached the .out file {worst:.2} s late: {lines:?}"
+    );
+    user.wait_states(job, 3, &["COMPLETED"], Duration::from_secs(300));
+
+    // Results, back at their paths: built from the inputs; the 20 MiB
+    // file whole (its digest as the task computed it).
+    for (task, sample) in [(1, "alpha"), (2, "beta"), (3, "gamma")] {
+        let out = wait_for_file(
+            &submit.join(format!("out/{sample}.txt")),
+            Duration::from_secs(60),
+        );
+        assert_eq!(out, format!("# header\n{sample}\nref-1\n"), "task {task}");
+        let log = wait_for_file(
+            &submit.join(format!("logs/lab_{job}_{task}.out")),
+            Duration::from_secs(60),
+        );
+        assert!(
+            log.starts_with("mode 444 scratch absent\n"),
+            "inputs are read-only and ignored files stay home: {log}"
+        );
+    }
+    let want = wait_for_file(&submit.join("out/big.sha"), Duration::from_secs(60));
+    let big = std::fs::read(submit.join("out/big.bin")).unwrap();
+    assert_eq!(big.len(), 20 << 20);
+    assert_eq!(hex::encode(sha2::Sha256::digest(&big)), want.trim());
+    // Inputs unchanged by the job are not written back.
+    assert_eq!(
+        std::fs::read_to_string(submit.join("samples.txt")).unwrap(),
+        "alpha\nbeta\ngamma\n"
+    );
+
+    // A resubmit sends only what changed: nothing, then one file. (Each
+    // job's output file is in place before the next submit: it is an
+    // input of the next, known by content.)
+    let (again, _) = user.sbatch(&["--wrap", "cat data/header.txt", "--output=again.out"]);
+    user.wait_states(again, 1, &["COMPLETED"], Duration::from_secs(180));
+    wait_for_file(&submit.join("again.out"), Duration::from_secs(60));
+    let (same, stderr) = user.sbatch(&["--wrap", "cat data/header.txt", "--output=same.out"]);
+    assert!(!stderr.contains("sent"), "nothing changed, yet: {stderr}");
+    user.wait_states(same, 1, &["COMPLETED"], Duration::from_secs(180));
+    wait_for_file(&submit.join("same.out"), Duration::from_secs(60));
+    std::fs::write(submit.join("data/header.txt"), "# header 2\n").unwrap();
+    let (changed, stderr) = user.sbatch(&["--wrap", "cat data/header.txt", "--output=changed.out"]);
+    assert!(stderr.contains("sent 1 input file(s)"), "{stderr}");
+    user.wait_states(changed, 1, &["COMPLETED"], Duration::from_secs(180));
+    assert_eq!(
+        wait_for_file(&submit.join("changed.out"), Duration::from_secs(60)),
+        "# header 2\n"
+    );
+
+    // Hostile: an upload whose content is not its name, a blob of another
+    // account, inputs that were never uploaded.
+    let http = reqwest::Client::new();
+    let named = hex::encode(sha2::Sha256::digest(b"what it claims"));
+    let answer = http
+        .put(format!("{}/v1/blobs/{named}", user.api))
+        .bearer_auth(&user.token)
+        .body("something else")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 422);
+    let theirs = up.token("intruder");
+    let answer = http
+        .get(format!("{}/v1/blobs/{}", user.api, want.trim()))
+        .bearer_auth(&theirs)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 404, "another account read a blob");
+    let api = shoal_testkit::ApiClient::new(&user.api, &theirs);
+    let answer = api
+        .call(
+            reqwest::Method::POST,
+            "/v1/sweeps",
+            Some(serde_json::json!({
+                "name": "steal", "template": "base", "command": "cat /x", "cells": [0],
+                "inputs": [{"path": "/x", "digest": named, "size": 3}],
+            })),
+        )
+        .await;
+    assert_eq!(answer.status, 422, "{}", answer.text);
+    assert!(answer.text.contains("not uploaded"), "{}", answer.text);
+
+    drop(up);
+    let _ = std::fs::remove_dir_all(&state);
+}
+
+#[test]
+fn lab_jobs_carry_their_data_on_sqlite() {
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_sbatch_data_sqlite",
+        |url, state| async move { lab_jobs_carry_their_data(&url, state).await },
+    );
+}
+
+#[test]
+fn lab_jobs_carry_their_data_on_postgres() {
+    shoal_testkit::with_database(
+        Database::Postgres,
+        "vm_sbatch_data_pg",
+        |url, state| async move { lab_jobs_carry_their_data(&url, state).await },
+    );
+}

@@ -36,7 +36,10 @@ type St = State<Arc<ControlPlane>>;
 
 /// Whether `digest` is a SHA-256 as lowercase hex.
 pub fn is_digest(digest: &str) -> bool {
-    digest.len() == 64 && digest.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    digest.len() == 64
+        && digest
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// Writes one blob chunk by chunk under a staging name, hashing as it
@@ -214,7 +217,10 @@ pub async fn upload(
         )));
     }
     if let Some(size) = cp.store.blob_size(account.id, &digest).await? {
-        return Ok((StatusCode::OK, Json(json!({ "digest": digest, "size": size }))));
+        return Ok((
+            StatusCode::OK,
+            Json(json!({ "digest": digest, "size": size })),
+        ));
     }
     let too_large = || {
         ApiError::new(

@@ -121,7 +121,9 @@ pub async fn tree_state(agent: &AgentClient, dirs: &[String]) -> (TreeState, Opt
             if visited > MAX_TREE_ENTRIES {
                 return (
                     files,
-                    Some(format!("more than {MAX_TREE_ENTRIES} entries; the rest not looked at")),
+                    Some(format!(
+                        "more than {MAX_TREE_ENTRIES} entries; the rest not looked at"
+                    )),
                 );
             }
             let path = format!("{}/{}", dir.trim_end_matches('/'), entry.name);
@@ -155,17 +157,23 @@ pub async fn collect_results(
     let (after, walk_note) = tree_state(agent, &data.results_under).await;
     notes.extend(walk_note);
     let used = store.account_blob_bytes(account_id).await.unwrap_or(0);
-    let mut room = MAX_ACCOUNT_BLOB_BYTES.saturating_sub(used).min(MAX_RESULT_BYTES);
+    let mut room = MAX_ACCOUNT_BLOB_BYTES
+        .saturating_sub(used)
+        .min(MAX_RESULT_BYTES);
     for (path, (size, mtime)) in after {
         if before.get(&path) == Some(&(size, mtime)) {
             continue;
         }
         if kept.len() >= MAX_RESULT_FILES {
-            notes.push(format!("more than {MAX_RESULT_FILES} result files; the rest not kept"));
+            notes.push(format!(
+                "more than {MAX_RESULT_FILES} result files; the rest not kept"
+            ));
             break;
         }
         if size > MAX_BLOB_BYTES {
-            notes.push(format!("{path}: larger than {MAX_BLOB_BYTES} bytes, not kept"));
+            notes.push(format!(
+                "{path}: larger than {MAX_BLOB_BYTES} bytes, not kept"
+            ));
             continue;
         }
         if size > room {
@@ -268,7 +276,14 @@ impl Spool {
     pub async fn write(&mut self, store: &Store, claim: &Claim) {
         for (stream, data) in std::mem::take(&mut self.pending) {
             if let Err(e) = store
-                .append_cell_output(&claim.sweep_id, claim.idx, claim.epoch, self.next_seq, stream, &data)
+                .append_cell_output(
+                    &claim.sweep_id,
+                    claim.idx,
+                    claim.epoch,
+                    self.next_seq,
+                    stream,
+                    &data,
+                )
                 .await
             {
                 tracing::warn!(error = %e, sweep = claim.sweep_id, cell = claim.idx, "spooling output");
@@ -296,7 +311,10 @@ mod tests {
             .iter()
             .map(|(s, d)| (*s, d.as_slice()))
             .collect();
-        assert_eq!(got, [("stdout", &b"ab"[..]), ("stderr", b"c"), ("stdout", b"d")]);
+        assert_eq!(
+            got,
+            [("stdout", &b"ab"[..]), ("stderr", b"c"), ("stdout", b"d")]
+        );
         assert!(spool.push("stderr", &vec![0; SPOOL_EAGER]));
         spool.spooled[0] = MAX_SPOOLED - 1;
         spool.push("stdout", b"xyz");

@@ -418,7 +418,11 @@ async fn collect_job_garbage(cp: &ControlPlane) {
     let t = now();
     match cp
         .store
-        .collect_garbage(t - JOB_DATA_KEPT_SECONDS, t - STAGED_KEPT_SECONDS, t - JOB_DATA_KEPT_SECONDS)
+        .collect_garbage(
+            t - JOB_DATA_KEPT_SECONDS,
+            t - STAGED_KEPT_SECONDS,
+            t - JOB_DATA_KEPT_SECONDS,
+        )
         .await
     {
         Ok(0) => {}
@@ -994,7 +998,11 @@ async fn prepare(
     // right after a restore costs the guest fresh code translation under TCG.
     // Nor when a file goes into it: an upload makes its parents.
     let workdir = workdir(&info.row);
-    let inputs = info.row.data_path.as_ref().map_or(&[][..], |d| &d.inputs[..]);
+    let inputs = info
+        .row
+        .data_path
+        .as_ref()
+        .map_or(&[][..], |d| &d.inputs[..]);
     let made_by_upload = info
         .files
         .iter()

@@ -167,14 +167,13 @@ async fn data_path(
             let size = item["size"]
                 .as_u64()
                 .ok_or_else(|| bad(format!("inputs.{path}: size must be a byte count")))?;
-            let mode = match &item["mode"] {
-                Value::Null => 0o644,
-                v => v
-                    .as_u64()
-                    .filter(|m| *m <= 0o7777)
-                    .ok_or_else(|| bad(format!("inputs.{path}: mode must be permission bits")))?
-                    as u32,
-            };
+            let mode =
+                match &item["mode"] {
+                    Value::Null => 0o644,
+                    v => v.as_u64().filter(|m| *m <= 0o7777).ok_or_else(|| {
+                        bad(format!("inputs.{path}: mode must be permission bits"))
+                    })? as u32,
+                };
             total += size;
             data.inputs.push(InputFile {
                 path: path.to_owned(),
@@ -196,7 +195,12 @@ async fn data_path(
                 format!(
                     "inputs: {} blob(s) not uploaded (PUT /v1/blobs/{{sha256}} first): {}",
                     missing.len(),
-                    missing.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+                    missing
+                        .iter()
+                        .take(5)
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             ));
         }
@@ -227,7 +231,8 @@ async fn data_path(
             if dir == "/" {
                 return Err(bad("results_under: not the root directory"));
             }
-            data.results_under.push(dir.trim_end_matches('/').to_owned());
+            data.results_under
+                .push(dir.trim_end_matches('/').to_owned());
         }
     }
     Ok(Some(data))
@@ -694,7 +699,10 @@ pub async fn cell_output(
                 .map_err(|_| bad(format!("from must be a flush number: {value:?}")))?;
         }
     }
-    let Some((epoch, chunks)) = cp.store.cell_output(&row.id, index, from, OUTPUT_PAGE).await?
+    let Some((epoch, chunks)) = cp
+        .store
+        .cell_output(&row.id, index, from, OUTPUT_PAGE)
+        .await?
     else {
         return Ok(Json(json!({ "epoch": null, "chunks": [], "next": from })));
     };
@@ -709,7 +717,9 @@ pub async fn cell_output(
             })
         })
         .collect();
-    Ok(Json(json!({ "epoch": epoch, "chunks": chunks, "next": next })))
+    Ok(Json(
+        json!({ "epoch": epoch, "chunks": chunks, "next": next }),
+    ))
 }
 
 #[cfg(test)]

@@ -516,7 +516,11 @@ mod tests {
         // slurmstepd line is added.
         files.start().unwrap();
         files.add("stdout", b"live 1\n").unwrap();
-        let followed = Written { epoch: Some(1), next: 1, done: false };
+        let followed = Written {
+            epoch: Some(1),
+            next: 1,
+            done: false,
+        };
         let fetch = finish_locally(&cell, &files, &followed).unwrap();
         let out = std::fs::read_to_string(work.join("slurm-7.out")).unwrap();
         assert_eq!(

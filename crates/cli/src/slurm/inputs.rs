@@ -95,7 +95,10 @@ pub fn gather(submit_dir: &Path, extra: &[String]) -> Result<Vec<Input>> {
                 root.join(&f.rel)
             };
             let Some(text) = path.to_str() else {
-                bail!("{} is not UTF-8: rename it or name it in .shoalignore", path.display());
+                bail!(
+                    "{} is not UTF-8: rename it or name it in .shoalignore",
+                    path.display()
+                );
             };
             if inputs.iter().any(|i| i.path == text) {
                 continue;
@@ -115,7 +118,8 @@ pub fn gather(submit_dir: &Path, extra: &[String]) -> Result<Vec<Input>> {
         // Resolved (`..`, links): the sandbox gets it at its real path.
         let path = std::fs::canonicalize(submit_dir.join(path))
             .with_context(|| format!("--input {path}"))?;
-        let meta = std::fs::metadata(&path).with_context(|| format!("--input {}", path.display()))?;
+        let meta =
+            std::fs::metadata(&path).with_context(|| format!("--input {}", path.display()))?;
         let total: u64 = inputs.iter().map(|i| i.size).sum();
         let files_left = MAX_INPUT_FILES.saturating_sub(inputs.len());
         let bytes_left = MAX_INPUT_BYTES.saturating_sub(total);
@@ -188,7 +192,7 @@ pub async fn send(api: &Api, inputs: &[Input]) -> Result<Sent> {
     };
     let mut uploaded = std::collections::BTreeSet::new();
     for (input, digest) in inputs.iter().zip(&digests) {
-        if !missing.binary_search(digest).is_ok() {
+        if missing.binary_search(digest).is_err() {
             sent.unchanged += 1;
             continue;
         }
@@ -212,7 +216,10 @@ mod tests {
     fn shoal_directives_name_inputs_in_the_header_only() {
         let script = "#!/bin/bash\n#SBATCH -J x\n#SHOAL --input ../shared/ref.fa\n\
                       #SHOAL --input=/data/genome --other\n\necho hi\n#SHOAL --input late\n";
-        assert_eq!(directive_inputs(script), ["../shared/ref.fa", "/data/genome"]);
+        assert_eq!(
+            directive_inputs(script),
+            ["../shared/ref.fa", "/data/genome"]
+        );
     }
 
     #[test]
@@ -235,7 +242,12 @@ mod tests {
         let at = |rel: &str| root.join(rel).to_str().unwrap().to_owned();
         assert_eq!(
             paths,
-            [at(".shoalignore"), at("data/x.csv"), at("samples.txt"), extra[0].clone()]
+            [
+                at(".shoalignore"),
+                at("data/x.csv"),
+                at("samples.txt"),
+                extra[0].clone()
+            ]
         );
         assert_eq!(inputs[2].size, 4);
         assert!(gather(root, &["missing".to_owned()]).is_err());
