@@ -694,6 +694,45 @@ async fn lab_jobs_carry_their_data(database_url: &str, state: PathBuf) {
         "# header 2\n"
     );
 
+    // --hold: pending (JobHeldUser) until scontrol release; --begin:
+    // pending (BeginTime) until its time.
+    let (held, _) = user.sbatch(&["--hold", "--wrap", "echo held", "--output=held.out"]);
+    let begin_submitted = Instant::now();
+    let (later, _) = user.sbatch(&[
+        "--begin=now+8",
+        "--wrap",
+        "echo later",
+        "--output=later.out",
+    ]);
+    let q = user.ok(&["squeue", "-h", "-o", "%i %t %r"]);
+    assert!(q.contains(&format!("{held} PD JobHeldUser")), "{q}");
+    assert!(q.contains(&format!("{later} PD BeginTime")), "{q}");
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(user.sacct(held, "State")[1][0], "PENDING");
+    user.ok(&["scontrol", "release", &held.to_string()]);
+    user.wait_states(held, 1, &["COMPLETED"], Duration::from_secs(180));
+    user.wait_states(later, 1, &["COMPLETED"], Duration::from_secs(180));
+    assert!(begin_submitted.elapsed() >= Duration::from_secs(8));
+    let started = user.sacct(later, "Start,Submit");
+    println!("--begin=now+8: {started:?}");
+    assert_eq!(
+        wait_for_file(&submit.join("held.out"), Duration::from_secs(60)),
+        "held\n"
+    );
+    // scontrol hold on a queued job, then release.
+    let (waiting, _) = user.sbatch(&["--begin=now+600", "--wrap", "true"]);
+    user.ok(&["scontrol", "hold", &waiting.to_string()]);
+    let q = user.ok(&["squeue", "-h", "-j", &waiting.to_string(), "-o", "%t %r"]);
+    assert_eq!(q.trim(), "PD JobHeldUser");
+    user.ok(&["scontrol", "release", &waiting.to_string()]);
+    let q = user.ok(&["squeue", "-h", "-j", &waiting.to_string(), "-o", "%t %r"]);
+    assert_eq!(
+        q.trim(),
+        "PD BeginTime",
+        "released, still waiting for its time"
+    );
+    user.ok(&["scancel", &waiting.to_string()]);
+
     // Hostile: an upload whose content is not its name, a blob of another
     // account, inputs that were never uploaded.
     let http = reqwest::Client::new();

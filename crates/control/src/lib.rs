@@ -291,6 +291,8 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route(sweep, get(sweeps::get).patch(sweeps::patch))
         .route(&format!("{sweep}/cancel"), post(sweeps::cancel))
         .route(&format!("{sweep}/requeue"), post(sweeps::requeue))
+        .route(&format!("{sweep}/hold"), post(sweeps::hold))
+        .route(&format!("{sweep}/release"), post(sweeps::release))
         .route(&format!("{sweep}/cells"), get(sweeps::cells_list))
         .route(&format!("{sweep}/cells/{{index}}"), get(sweeps::cell))
         .route(

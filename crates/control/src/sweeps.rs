@@ -342,6 +342,26 @@ async fn new_sweep(
         }
         Some(_) => return Err(bad("after_ok must be a list of sweep ids or job ids")),
     };
+    let hold = match field(body, "hold") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("hold must be true or false")),
+    };
+    // Epoch seconds, or an RFC 3339 time.
+    let begin_at = match field(body, "begin_at") {
+        None => None,
+        Some(Value::Number(n)) => Some(
+            n.as_f64()
+                .filter(|t| t.is_finite() && *t >= 0.0)
+                .ok_or_else(|| bad("begin_at must be a time: epoch seconds or RFC 3339"))?,
+        ),
+        Some(Value::String(t)) => Some(
+            chrono::DateTime::parse_from_rfc3339(t)
+                .map_err(|e| bad(format!("begin_at {t:?}: {e}")))?
+                .timestamp() as f64,
+        ),
+        Some(_) => return Err(bad("begin_at must be a time: epoch seconds or RFC 3339")),
+    };
     let slurm = match field(body, "slurm") {
         None => None,
         Some(v @ Value::Object(_)) => Some(v.clone()),
@@ -365,6 +385,8 @@ async fn new_sweep(
         files,
         slurm,
         data_path: data_path(cp, account, body).await?,
+        hold,
+        begin_at,
     })
 }
 
@@ -407,6 +429,8 @@ fn sweep_json(row: &SweepRow, summary: &SweepSummary) -> Value {
         "after_ok": row.after_ok,
         "slurm": row.slurm,
         "inputs": row.data_path.as_ref().map(|d| d.inputs.len()),
+        "hold": row.user_hold,
+        "begin_at": row.begin_at.map(rfc3339),
         "results_under": row.data_path.as_ref().map(|d| &d.results_under),
     })
 }
@@ -608,6 +632,42 @@ pub async fn requeue(
 ) -> ApiResult<Json<Value>> {
     let row = owned(&cp, &account, &id).await?;
     cp.store.requeue_failed(account.id, &row.id).await?;
+    cp.runner.wake();
+    answer(&cp, &account, &row.id).await
+}
+
+/// `POST /v1/sweeps/{id}/hold`: no cell starts until released (running
+/// ones go on). 409 unless the sweep is active or held.
+pub async fn hold(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let row = owned(&cp, &account, &id).await?;
+    if !cp.store.hold_sweep(account.id, &row.id).await? {
+        return Err(ApiError::conflict(format!(
+            "sweep {} is {}: only an active or held sweep can be held",
+            row.id,
+            row.state.as_str()
+        )));
+    }
+    answer(&cp, &account, &row.id).await
+}
+
+/// `POST /v1/sweeps/{id}/release`: the hold goes; dependencies and
+/// `begin_at` still decide. 409 unless the sweep was held by `hold`.
+pub async fn release(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let row = owned(&cp, &account, &id).await?;
+    if !cp.store.release_sweep(account.id, &row.id, now()).await? {
+        return Err(ApiError::conflict(format!(
+            "sweep {} is not held by a hold",
+            row.id
+        )));
+    }
     cp.runner.wake();
     answer(&cp, &account, &row.id).await
 }

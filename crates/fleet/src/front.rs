@@ -1352,7 +1352,9 @@ impl EnvView {
         let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
         match segments.as_slice() {
             ["", "v1", "sweeps"] | ["", "v1", "sweeps", _] => Some(EnvView::Sweep),
-            ["", "v1", "sweeps", _, "cancel" | "requeue"] => Some(EnvView::Sweep),
+            ["", "v1", "sweeps", _, "cancel" | "requeue" | "hold" | "release"] => {
+                Some(EnvView::Sweep)
+            }
             ["", "v1", "apps"] | ["", "v1", "apps", _] => Some(EnvView::App),
             _ => None,
         }

@@ -823,23 +823,29 @@ pub fn format_squeue_unfolded(records: &[JobRecord]) -> String {
     format_squeue_with(records, false)
 }
 
-fn format_squeue_with(records: &[JobRecord], fold_pending_tasks: bool) -> String {
-    let mut out = String::new();
-    push_squeue_line(
-        &mut out,
-        [
-            "JOBID",
-            "PARTITION",
-            "NAME",
-            "USER",
-            "ST",
-            "TIME",
-            "NODES",
-            "NODELIST(REASON)",
-        ],
-    );
+/// `squeue -o`/`-O`: the columns chosen, a header first.
+pub fn format_squeue_custom(
+    records: &[JobRecord],
+    pieces: &[crate::squeue_format::Piece],
+    fold_pending_tasks: bool,
+) -> String {
+    let mut out = crate::squeue_format::format_line(pieces, None);
+    for (shown, r) in squeue_rows(records, fold_pending_tasks) {
+        out.push_str(&crate::squeue_format::format_line(
+            pieces,
+            Some((&shown, r)),
+        ));
+    }
+    out
+}
+
+/// The lines squeue shows: queued jobs, each pending array's tasks folded
+/// into one `ID_[a-b]` line when `fold_pending_tasks`; the shown id with a
+/// record standing for the line.
+fn squeue_rows(records: &[JobRecord], fold_pending_tasks: bool) -> Vec<(String, &JobRecord)> {
     let active: Vec<&JobRecord> = records.iter().filter(|r| r.state.is_active()).collect();
     let mut done = vec![false; active.len()];
+    let mut rows = Vec::new();
     for i in 0..active.len() {
         if done[i] {
             continue;
@@ -872,6 +878,27 @@ fn format_squeue_with(records: &[JobRecord], fold_pending_tasks: bool) -> String
                 id = format!("{array}_[{}]", compress_ranges(&tasks));
             }
         }
+        rows.push((id, r));
+    }
+    rows
+}
+
+fn format_squeue_with(records: &[JobRecord], fold_pending_tasks: bool) -> String {
+    let mut out = String::new();
+    push_squeue_line(
+        &mut out,
+        [
+            "JOBID",
+            "PARTITION",
+            "NAME",
+            "USER",
+            "ST",
+            "TIME",
+            "NODES",
+            "NODELIST(REASON)",
+        ],
+    );
+    for (id, r) in squeue_rows(records, fold_pending_tasks) {
         let time = match r.state {
             JobState::Pending | JobState::Requeued => format_squeue_time(Duration::ZERO),
             _ => format_squeue_time(r.elapsed),

@@ -17,20 +17,23 @@
 
 pub mod accounting;
 pub mod array;
+pub mod begin;
 pub mod env;
 pub mod export;
 pub mod memory;
 pub mod pattern;
 pub mod script;
+pub mod squeue_format;
 pub mod time;
 
 pub use accounting::{
     default_sacct_fields, format_rss, format_sacct, format_sacct_with, format_scontrol_job,
-    format_squeue, format_squeue_unfolded, format_submitted, long_sacct_fields, matches_job_refs,
-    parse_format, parse_job_ref, parse_job_refs, parse_states, within_window, FieldSpec, JobRecord,
-    JobRef, JobState, SacctField, SacctOptions, SacctStyle,
+    format_squeue, format_squeue_custom, format_squeue_unfolded, format_submitted,
+    long_sacct_fields, matches_job_refs, parse_format, parse_job_ref, parse_job_refs, parse_states,
+    within_window, FieldSpec, JobRecord, JobRef, JobState, SacctField, SacctOptions, SacctStyle,
 };
 pub use array::{compress_ranges, parse_array, ArraySpec, MAX_ARRAY_TASKS};
+pub use begin::parse_begin;
 pub use env::{task_environment, ArrayTask, TaskDescription};
 pub use export::exported_environment;
 pub use memory::{format_mem_mib, parse_mem_mib};

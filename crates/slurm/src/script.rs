@@ -113,6 +113,10 @@ pub struct Directives {
     pub parsable: bool,
     /// `--open-mode=append`: output files are appended to, not truncated.
     pub open_append: bool,
+    /// `--hold`: submitted held, until `scontrol release`.
+    pub hold: bool,
+    /// `--begin`: not before this time (as given; `parse_begin` reads it).
+    pub begin: Option<String>,
     /// `--signal`: a signal sent this many seconds before the time limit.
     pub signal: Option<WarnSignal>,
     /// `--export`: which of the submitting shell's variables the tasks get
@@ -421,6 +425,8 @@ enum Key {
     Export,
     Signal,
     OpenMode,
+    Hold,
+    Begin,
     Ignored(&'static str),
 }
 
@@ -474,11 +480,12 @@ fn long_option(name: &str) -> Option<(Key, Arg)> {
             Ignored("the task gets the SLURM_* variables and its template's environment"),
             Optional,
         ),
-        "begin" | "deadline" | "hold" => {
-            // --hold takes no value; the others do.
-            let arg = if name == "hold" { None } else { Required };
-            (Ignored("the job starts as soon as sandboxes are free"), arg)
-        }
+        "hold" => (Hold, None),
+        "begin" => (Begin, Required),
+        "deadline" => (
+            Ignored("a job is never cancelled for starting late"),
+            Required,
+        ),
         "signal" => (Signal, Required),
         "input" => (Ignored("standard input is /dev/null"), Required),
         "tmp" => (Ignored("disk space comes with the template"), Required),
@@ -552,6 +559,7 @@ fn short_option(c: char) -> Option<(Key, &'static str)> {
         'M' => (Ignored(PLACEMENT), "--clusters"),
         'F' => (Ignored(PLACEMENT), "--nodefile"),
         'i' => (Ignored("standard input is /dev/null"), "--input"),
+        'b' => (Begin, "--begin"),
         'B' | 'L' | 'm' | 'S' => (Ignored(NO_EFFECT), "-"),
         _ => return None,
     })
@@ -560,9 +568,8 @@ fn short_option(c: char) -> Option<(Key, &'static str)> {
 /// Short options that take no value (sbatch's getopt string).
 fn short_flag(c: char) -> Option<&'static str> {
     Some(match c {
-        'H' => "the job starts as soon as sandboxes are free",
         's' | 'O' => OWN_SANDBOX,
-        'b' | 'h' | 'I' | 'Q' | 'u' | 'v' | 'V' | 'W' | 'k' => NO_EFFECT,
+        'h' | 'I' | 'Q' | 'u' | 'v' | 'V' | 'W' | 'k' => NO_EFFECT,
         _ => return None,
     })
 }
@@ -679,6 +686,8 @@ impl OptionParser {
                     };
                     let written = format!("-{c} {value}");
                     self.set(key, &shown, &written, Some(value), line)?;
+                } else if c == 'H' && attached.is_empty() {
+                    self.set(Key::Hold, "--hold", "-H", None, line)?;
                 } else if let Some(reason) = short_flag(c) {
                     self.warn(line, format!("{tok} ignored: {reason}"));
                 } else {
@@ -771,6 +780,12 @@ impl OptionParser {
             Key::Requeue => d.requeue = Some(true),
             Key::NoRequeue => d.requeue = Some(false),
             Key::Parsable => d.parsable = true,
+            Key::Hold => d.hold = true,
+            Key::Begin => {
+                // Checked now; the time is taken from it at submit.
+                crate::begin::parse_begin(&v, chrono::Local::now()).map_err(wrap)?;
+                d.begin = Some(v.clone());
+            }
             Key::Signal => d.signal = Some(parse_signal(&v).map_err(wrap)?),
             Key::OpenMode => {
                 d.open_append = match v.to_ascii_lowercase().as_str() {
@@ -2134,5 +2149,23 @@ mod tests {
         let s = parse(&text);
         assert!(s.body.contains("héllo → wörld"));
         assert_eq!(s.module_lines, vec![(3, "module load é".to_string())]);
+    }
+
+    #[test]
+    fn hold_and_begin_are_kept_and_checked() {
+        let s = parse_script_with_args("#!/bin/sh\n#SBATCH --begin=now+1hour\ntrue\n", &["-H"])
+            .unwrap();
+        assert!(s.directives.hold);
+        assert_eq!(s.directives.begin.as_deref(), Some("now+1hour"));
+        let s = parse_script_with_args("#!/bin/sh\ntrue\n", &["-b", "16:00", "--hold"]).unwrap();
+        assert!(s.directives.hold);
+        assert_eq!(s.directives.begin.as_deref(), Some("16:00"));
+        assert!(parse_script_with_args("#!/bin/sh\ntrue\n", &["--begin=whenever"]).is_err());
+        assert!(
+            !parse_script_with_args("#!/bin/sh\ntrue\n", &[])
+                .unwrap()
+                .directives
+                .hold
+        );
     }
 }

@@ -275,6 +275,7 @@ mod tests {
                 )
                 .replace("DOUBLE PRECISION", "REAL")
                 .replace("BIGINT", "INTEGER")
+                .replace("BYTEA", "BLOB")
                 .split_whitespace()
                 .collect::<Vec<_>>()
                 .join(" ")

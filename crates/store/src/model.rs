@@ -601,6 +601,10 @@ pub struct NewSweep {
     /// Inputs written into each cell's sandbox from the account's blobs,
     /// and the directories whose new files come back as blobs.
     pub data_path: Option<DataPath>,
+    /// Held until released (`--hold`).
+    pub hold: bool,
+    /// Not started before (epoch seconds; `--begin`).
+    pub begin_at: Option<f64>,
 }
 
 /// A job's data path: the files of its submit directory, by content, and
@@ -654,6 +658,8 @@ pub struct SweepRow {
     pub files: BTreeMap<String, String>,
     pub slurm: Option<serde_json::Value>,
     pub data_path: Option<DataPath>,
+    pub user_hold: bool,
+    pub begin_at: Option<f64>,
     /// When a cell was first claimed.
     pub started_at: Option<f64>,
 }

@@ -77,7 +77,7 @@ macro_rules! sweep_columns {
             $env,
             ", cells, throttle, timeout_seconds, \
              max_attempts, collect, fork_from, state, created_at, finished_at, job_id, reason, \
-             after_ok, workdir, files, slurm, started_at, data_path"
+             after_ok, workdir, files, slurm, started_at, data_path, user_hold, begin_at"
         )
     };
 }
@@ -112,7 +112,7 @@ const INSERT_SWEEP: &str = concat!(
     "INSERT INTO sweeps (",
     sweep_columns!(),
     ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
-     $18, $19, $20, $21, $22, $23)"
+     $18, $19, $20, $21, $22, $23, $24, $25)"
 );
 
 /// Takes a block of $1 job ids; the block ends before the value returned.
@@ -143,9 +143,12 @@ const HELD_DOOMED: &str = concat!(
     "))) ORDER BY s.created_at, s.id"
 );
 
-/// Held sweeps every dependency of which finished well.
+/// Held sweeps not held by their user nor waiting for their begin time
+/// ($1: now), every dependency of which finished well.
 const HELD_READY: &str = concat!(
-    "SELECT s.id FROM sweeps s WHERE s.state = 'held' AND NOT EXISTS (SELECT 1 FROM sweep_deps d \
+    "SELECT s.id FROM sweeps s WHERE s.state = 'held' AND s.user_hold = FALSE \
+     AND (s.begin_at IS NULL OR s.begin_at <= $1) \
+     AND NOT EXISTS (SELECT 1 FROM sweep_deps d \
      JOIN sweeps p ON p.id = d.after_id WHERE d.sweep_id = s.id AND NOT ",
     finished_well!(),
     ") ORDER BY s.created_at, s.id"
@@ -240,7 +243,7 @@ macro_rules! finish_state {
     () => {
         "(CASE WHEN (s.sweep_state = 'cancelled' OR sweep_cells.cancel_requested) \
          AND $4 <> 'succeeded' THEN 'cancelled' \
-         WHEN s.sweep_state = 'active' AND $4 IN ('failed', 'timeout') \
+         WHEN s.sweep_state IN ('active', 'held') AND $4 IN ('failed', 'timeout') \
          AND sweep_cells.attempts < s.max_attempts THEN 'pending' ELSE $4 END)"
     };
 }
@@ -360,6 +363,17 @@ const REACTIVATE: &str = "UPDATE sweeps SET \
      state = CASE WHEN state = 'held' THEN 'held' ELSE 'active' END, \
      reason = CASE WHEN state = 'held' THEN reason ELSE NULL END, finished_at = NULL WHERE id = $1";
 
+/// `scontrol hold`: an active or held sweep becomes held by its user (its
+/// running cells go on; no new one starts).
+const HOLD: &str = "UPDATE sweeps SET user_hold = TRUE, state = 'held', reason = 'JobHeldUser' \
+     WHERE id = $1 AND account_id = $2 AND state IN ('active', 'held')";
+/// `scontrol release`: the user's hold goes; dependencies and the begin
+/// time still decide ([`Store::resolve_held`]).
+const RELEASE: &str = "UPDATE sweeps SET user_hold = FALSE, reason = CASE \
+     WHEN EXISTS (SELECT 1 FROM sweep_deps d WHERE d.sweep_id = sweeps.id) THEN 'Dependency' \
+     ELSE 'BeginTime' END \
+     WHERE id = $1 AND account_id = $2 AND state = 'held' AND user_hold = TRUE";
+
 const SET_THROTTLE: &str = "UPDATE sweeps SET throttle = $3 WHERE id = $1 AND account_id = $2";
 
 const COUNTS: &str = "SELECT state, COUNT(*) AS n FROM sweep_cells WHERE sweep_id = $1 \
@@ -428,7 +442,16 @@ impl Store {
     /// when it has `after_ok`; a sweep of no cells is `done` at once.
     /// [`StoreError::AlreadyExists`] if the id is taken.
     pub async fn create_sweep(&self, new: &NewSweep, now: f64) -> Result<SweepRow> {
-        let held = !new.after_ok.is_empty() && !new.cells.is_empty();
+        let later = new.begin_at.is_some_and(|at| at > now);
+        let held = (!new.after_ok.is_empty() || new.hold || later) && !new.cells.is_empty();
+        // Slurm's reason: what holds it first.
+        let reason = if new.hold {
+            "JobHeldUser"
+        } else if !new.after_ok.is_empty() {
+            "Dependency"
+        } else {
+            "BeginTime"
+        };
         let mut row = SweepRow {
             id: new.id.clone(),
             account_id: new.account_id,
@@ -452,13 +475,15 @@ impl Store {
             created_at: now,
             finished_at: new.cells.is_empty().then_some(now),
             job_id: 0,
-            reason: held.then(|| "Dependency".to_owned()),
+            reason: held.then(|| reason.to_owned()),
             after_ok: new.after_ok.clone(),
             workdir: new.workdir.clone(),
             files: new.files.clone(),
             slurm: new.slurm.clone(),
             started_at: None,
             data_path: new.data_path.clone(),
+            user_hold: new.hold,
+            begin_at: new.begin_at,
         };
         let block = signed(new.cells.len().max(1) as u64);
         let after_ok = to_json(&new.after_ok);
@@ -503,6 +528,8 @@ impl Store {
                 .bind(&slurm)
                 .bind(row.started_at)
                 .bind(&data_path)
+                .bind(row.user_hold)
+                .bind(row.begin_at)
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "sweep", &row.id))?;
@@ -1039,7 +1066,7 @@ impl Store {
     pub async fn resolve_held(&self, now: f64) -> Result<HeldResolution> {
         let (doomed, ready): (Vec<String>, Vec<String>) = on_reader!(self, pool => {
             let doomed = sqlx::query(HELD_DOOMED).fetch_all(pool).await?;
-            let ready = sqlx::query(HELD_READY).fetch_all(pool).await?;
+            let ready = sqlx::query(HELD_READY).bind(now).fetch_all(pool).await?;
             (
                 doomed.iter().map(|r| r.text("id")).collect::<sqlx::Result<Vec<String>>>()?,
                 ready.iter().map(|r| r.text("id")).collect::<sqlx::Result<Vec<String>>>()?,
@@ -1071,6 +1098,27 @@ impl Store {
             }
         }
         Ok(resolution)
+    }
+
+    /// Holds the account's sweep (`scontrol hold`); false if it is not
+    /// active or held (finished, cancelled, or not the account's).
+    pub async fn hold_sweep(&self, account_id: i64, id: &str) -> Result<bool> {
+        on_writer!(self, pool => {
+            Ok(sqlx::query(HOLD).bind(id).bind(account_id).execute(pool).await?.rows_affected() > 0)
+        })
+    }
+
+    /// Releases the user's hold of the account's sweep (`scontrol
+    /// release`) and activates it if nothing else holds it; false if it
+    /// was not held by its user.
+    pub async fn release_sweep(&self, account_id: i64, id: &str, now: f64) -> Result<bool> {
+        let released = on_writer!(self, pool => {
+            sqlx::query(RELEASE).bind(id).bind(account_id).execute(pool).await?.rows_affected() > 0
+        });
+        if released {
+            self.resolve_held(now).await?;
+        }
+        Ok(released)
     }
 
     /// Cancels the cells `indexes` of the sweep, if `account_id` owns it
@@ -1213,6 +1261,8 @@ fn sweep(row: &impl Column) -> Result<SweepRow> {
             .opt_text("data_path")?
             .map(|j| from_json(&j, "sweep data_path"))
             .transpose()?,
+        user_hold: row.boolean("user_hold")?,
+        begin_at: row.opt_real("begin_at")?,
     })
 }
 

@@ -40,6 +40,7 @@ cases!(
     measure_claim_rate,
     job_ids_are_blocks_unique_and_increasing,
     held_sweeps_wait_for_their_dependencies,
+    held_by_the_user_or_until_a_begin_time,
     cancelling_single_cells,
     a_restarted_runner_gives_its_claims_back_uncounted,
     runner_fields_round_trip,
@@ -1755,4 +1756,108 @@ async fn a_host_reads_a_sweeps_env_only_once_it_runs_a_cell(db: Arc<Db>) {
         1
     );
     host.close().await;
+}
+
+async fn held_by_the_user_or_until_a_begin_time(db: Arc<Db>) {
+    let store = &db.store;
+    let acct = account_id(store, "h").await;
+    let other = account_id(store, "o").await;
+    let state = |id: &'static str| async move {
+        let row = store.get_sweep(acct, id).await.unwrap().unwrap();
+        (row.state, row.reason)
+    };
+    // --hold: held until released, whatever the time.
+    let held = NewSweep {
+        hold: true,
+        ..new_sweep("held", acct, 2)
+    };
+    let row = store.create_sweep(&held, T0).await.unwrap();
+    assert_eq!(
+        (row.state, row.reason.as_deref()),
+        (SweepState::Held, Some("JobHeldUser"))
+    );
+    assert!(row.user_hold);
+    store.resolve_held(T0 + 1000.0).await.unwrap();
+    assert_eq!(state("held").await.0, SweepState::Held);
+    let claims = store
+        .claim_cells("runner", Some("held"), 2, LEASE, T0 + 1.0)
+        .await
+        .unwrap();
+    assert!(claims.is_empty(), "a held sweep's cell was claimed");
+    // Another account can neither release nor hold it.
+    assert!(!store.release_sweep(other, "held", T0 + 2.0).await.unwrap());
+    assert!(store.release_sweep(acct, "held", T0 + 2.0).await.unwrap());
+    assert_eq!(state("held").await, (SweepState::Active, None));
+    assert!(!store.release_sweep(acct, "held", T0 + 2.0).await.unwrap());
+
+    // --begin: held until the time, then active.
+    let later = NewSweep {
+        begin_at: Some(T0 + 100.0),
+        ..new_sweep("later", acct, 1)
+    };
+    let row = store.create_sweep(&later, T0).await.unwrap();
+    assert_eq!(
+        (row.state, row.reason.as_deref()),
+        (SweepState::Held, Some("BeginTime"))
+    );
+    store.resolve_held(T0 + 50.0).await.unwrap();
+    assert_eq!(state("later").await.0, SweepState::Held);
+    store.resolve_held(T0 + 100.0).await.unwrap();
+    assert_eq!(state("later").await.0, SweepState::Active);
+    // A begin time already past is no hold.
+    let past = NewSweep {
+        begin_at: Some(T0 - 1.0),
+        ..new_sweep("past", acct, 1)
+    };
+    assert_eq!(
+        store.create_sweep(&past, T0).await.unwrap().state,
+        SweepState::Active
+    );
+
+    // scontrol hold on an active sweep: its running cell goes on (and may
+    // be retried), nothing new starts; release starts the rest.
+    let running = NewSweep {
+        max_attempts: 2,
+        ..new_sweep("running", acct, 3)
+    };
+    store.create_sweep(&running, T0).await.unwrap();
+    let first = store
+        .claim_cells("runner", Some("running"), 1, LEASE, T0 + 1.0)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    assert!(!store.hold_sweep(other, "running").await.unwrap());
+    assert!(store.hold_sweep(acct, "running").await.unwrap());
+    assert_eq!(
+        state("running").await,
+        (SweepState::Held, Some("JobHeldUser".to_owned()))
+    );
+    let none = store
+        .claim_cells("runner", Some("running"), 3, LEASE, T0 + 2.0)
+        .await
+        .unwrap();
+    assert!(none.is_empty(), "a held sweep started a cell");
+    let after = store
+        .finish_cell(
+            "running",
+            first[0].idx,
+            &first[0].claim_id,
+            &failed(T0 + 3.0),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        after,
+        Some(CellState::Pending),
+        "the failed cell is retried later"
+    );
+    assert!(store
+        .release_sweep(acct, "running", T0 + 4.0)
+        .await
+        .unwrap());
+    let rest = store
+        .claim_cells("runner", Some("running"), 3, LEASE, T0 + 5.0)
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 3);
 }

@@ -259,6 +259,16 @@ impl Api {
         .await
     }
 
+    /// `scontrol hold` / `release`: `action` is `hold` or `release`.
+    pub async fn hold(&self, id: &str, action: &str) -> Result<Value> {
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/sweeps/{id}/{action}"),
+            Some(&json!({})),
+        )
+        .await
+    }
+
     /// Sets how many of a sweep's cells run at once (`ArrayTaskThrottle`).
     pub async fn set_throttle(&self, id: &str, throttle: u64) -> Result<Value> {
         self.call(

@@ -50,6 +50,12 @@ pub struct SqueueArgs {
     /// One line per array task, pending ones included (squeue's -r).
     #[arg(short = 'r', long = "array")]
     pub array: bool,
+    /// Columns as squeue's -o: `%[.][width]X` fields (%i %j %u %P %t %T %M %l %D %C %N %r %R %A %F %K %a %V %S %e).
+    #[arg(short = 'o', long = "format")]
+    pub format: Option<String>,
+    /// Columns as squeue's -O: `Name[:[.]width],...` (JobID, Name, UserName, State, StateCompact, Reason, ReasonList, TimeUsed, TimeLimit, NumCPUs, NodeList, ...).
+    #[arg(short = 'O', long = "Format")]
+    pub long_format: Option<String>,
     /// Print help.
     #[arg(long = "help", action = clap::ArgAction::Help)]
     pub help: Option<bool>,
@@ -150,12 +156,18 @@ pub async fn squeue(args: SqueueArgs) -> Result<ExitCode> {
         .as_deref()
         .map(shoal_slurm::parse_states)
         .transpose()?;
+    let columns = match (&args.format, &args.long_format) {
+        (Some(f), _) => Some(shoal_slurm::squeue_format::parse_format(f)?),
+        (None, Some(f)) => Some(shoal_slurm::squeue_format::parse_long_format(f)?),
+        (None, None) => None,
+    };
     let query = views::SqueueQuery {
         jobs,
         user: args.user,
         states,
         noheader: args.noheader,
         one_per_task: args.array,
+        columns,
     };
     views::squeue(&api()?, &query).await?;
     Ok(ExitCode::SUCCESS)

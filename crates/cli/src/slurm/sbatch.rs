@@ -54,7 +54,8 @@ pub struct Invocation {
     pub wrap: Option<String>,
     /// `--test-only`: check and say what would run, submit nothing.
     pub test_only: bool,
-    /// `--input PATH`: more inputs than the submit directory.
+    /// `--shoal-input PATH`: more inputs than the submit directory
+    /// (`--input` is sbatch's standard input).
     pub inputs: Vec<String>,
 }
 
@@ -85,7 +86,7 @@ const LONG_FLAGS: &[&str] = &[
     "requeue-hold",
 ];
 /// Short options that take no value (sbatch's getopt string).
-const SHORT_FLAGS: &str = "HsObhIQuvVWk";
+const SHORT_FLAGS: &str = "HsOhIQuvVWk";
 
 /// Splits `sbatch [options] [script [args...]]`: the first word that is
 /// not an option or an option's value is the script.
@@ -112,11 +113,11 @@ pub fn split_args(args: &[String]) -> Invocation {
             i += 1;
             continue;
         }
-        if let Some(path) = a.strip_prefix("--input=") {
+        if let Some(path) = a.strip_prefix("--shoal-input=") {
             inv.inputs.push(path.to_owned());
             continue;
         }
-        if a == "--input" {
+        if a == "--shoal-input" {
             inv.inputs.extend(args.get(i).cloned());
             i += 1;
             continue;
@@ -433,6 +434,13 @@ pub fn sweep_request(
     });
     if let Some(throttle) = d.array.as_ref().and_then(|a| a.throttle) {
         body["throttle"] = json!(throttle);
+    }
+    if d.hold {
+        body["hold"] = json!(true);
+    }
+    if let Some(begin) = &d.begin {
+        let at = shoal_slurm::parse_begin(begin, chrono::Local::now())?;
+        body["begin_at"] = json!(at.timestamp());
     }
     Ok(body)
 }

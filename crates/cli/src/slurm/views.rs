@@ -67,7 +67,8 @@ pub fn records(sweep: &Value, cells: &[Value], vcpus: &BTreeMap<String, u32>) ->
             };
             let reason = (state == JobState::Pending).then(|| {
                 if held {
-                    "Dependency"
+                    // Dependency, JobHeldUser or BeginTime, as the API says.
+                    sweep["reason"].as_str().unwrap_or("Dependency")
                 } else if running >= throttle {
                     "JobArrayTaskLimit"
                 } else {
@@ -158,6 +159,8 @@ pub struct SqueueQuery {
     pub noheader: bool,
     /// `-r`: pending array tasks one per line, not folded into `ID_[a-b]`.
     pub one_per_task: bool,
+    /// `-o`/`-O`: the columns asked for; `None`: squeue's default.
+    pub columns: Option<Vec<shoal_slurm::squeue_format::Piece>>,
 }
 
 /// `shoal squeue`.
@@ -183,10 +186,10 @@ pub async fn squeue(api: &Api, query: &SqueueQuery) -> Result<()> {
     if let Some(states) = &query.states {
         all.retain(|r| states.contains(&r.state));
     }
-    let text = if query.one_per_task {
-        shoal_slurm::format_squeue_unfolded(&all)
-    } else {
-        shoal_slurm::format_squeue(&all)
+    let text = match (&query.columns, query.one_per_task) {
+        (Some(columns), unfolded) => shoal_slurm::format_squeue_custom(&all, columns, !unfolded),
+        (None, true) => shoal_slurm::format_squeue_unfolded(&all),
+        (None, false) => shoal_slurm::format_squeue(&all),
     };
     if query.noheader {
         print!("{}", text.split_once('\n').map_or("", |(_, rest)| rest));
@@ -364,7 +367,7 @@ pub async fn sacct(api: &Api, args: &SacctArgs) -> Result<()> {
 }
 
 /// `shoal scontrol`: `show job ID[_TASK]`, `requeue ID`, `update JobId=ID
-/// ArrayTaskThrottle=N`. `hold` and `release` are refused with the reason.
+/// ArrayTaskThrottle=N`, `hold ID` and `release ID` (whole jobs).
 pub async fn scontrol(api: &Api, words: &[String]) -> Result<()> {
     let lower: Vec<String> = words.iter().map(|w| w.to_ascii_lowercase()).collect();
     let words_of = |from: usize| words[from..].to_vec();
@@ -457,14 +460,28 @@ pub async fn scontrol(api: &Api, words: &[String]) -> Result<()> {
                 .context("updating the throttle")?;
             Ok(())
         }
-        ["hold" | "release", ..] => bail!(
-            "scontrol {}: holding a job is not supported on Shoal yet; a job with \
-             --dependency is held until its dependencies complete",
-            lower[0]
-        ),
+        ["hold" | "release", ..] if words.len() > 1 => {
+            for target in words_of(1) {
+                let job = shoal_slurm::parse_job_ref(&target)?;
+                if job.task_id.is_some() {
+                    bail!(
+                        "scontrol {}: Shoal holds whole jobs: use {}, not {target}",
+                        lower[0],
+                        job.job_id
+                    );
+                }
+                let Some((sweep, _)) = resolve(api, job.job_id).await? else {
+                    bail!("Invalid job id specified: {target}");
+                };
+                api.hold(sweep["id"].as_str().unwrap_or(""), &lower[0])
+                    .await
+                    .with_context(|| format!("scontrol {} {target}", lower[0]))?;
+            }
+            Ok(())
+        }
         _ => bail!(
-            "scontrol: {}: Shoal's scontrol knows `show job [ID]`, `requeue ID` and \
-             `update JobId=ID ArrayTaskThrottle=N`",
+            "scontrol: {}: Shoal's scontrol knows `show job [ID]`, `hold ID`, `release ID`, \
+             `requeue ID` and `update JobId=ID ArrayTaskThrottle=N`",
             words.join(" ")
         ),
     }

@@ -40,6 +40,13 @@ CREATE TABLE cell_output (
 -- The job's inputs (path, digest, size, mode) and the directories whose
 -- new and changed files come back as blobs; NULL for a sweep without.
 ALTER TABLE sweeps ADD COLUMN data_path TEXT;
+-- `--hold` (until released) and `--begin` (not before; epoch seconds): a
+-- sweep with either is created `held` and activated once neither holds it
+-- and its dependencies are met.
+ALTER TABLE sweeps ADD COLUMN user_hold BOOLEAN NOT NULL DEFAULT FALSE;
+ALTER TABLE sweeps ADD COLUMN begin_at DOUBLE PRECISION;
 -- Any agent runs an account's cells (see 0009): it reads inputs, writes
 -- results and output.
 GRANT SELECT, INSERT, UPDATE, DELETE ON blobs, blob_chunks, cell_output TO shoal_hosts;
+-- Hosts read sweeps column by column (0010: never `env`): the new columns too.
+GRANT SELECT (data_path, user_hold, begin_at) ON sweeps TO shoal_hosts;

@@ -40,3 +40,8 @@ CREATE TABLE cell_output (
 -- The job's inputs (path, digest, size, mode) and the directories whose
 -- new and changed files come back as blobs; NULL for a sweep without.
 ALTER TABLE sweeps ADD COLUMN data_path TEXT;
+-- `--hold` (until released) and `--begin` (not before; epoch seconds): a
+-- sweep with either is created `held` and activated once neither holds it
+-- and its dependencies are met.
+ALTER TABLE sweeps ADD COLUMN user_hold BOOLEAN NOT NULL DEFAULT FALSE;
+ALTER TABLE sweeps ADD COLUMN begin_at REAL;
