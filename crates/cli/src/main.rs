@@ -143,6 +143,10 @@ enum Command {
     Scancel(slurm::ScancelArgs),
     /// scontrol: `show job ID`, `requeue ID`, `update JobId=ID ArrayTaskThrottle=N`.
     Scontrol(slurm::ScontrolArgs),
+    /// How well a job used the CPUs and memory it asked for, and the cost.
+    Seff(slurm::SeffArgs),
+    /// The fleet's partitions (templates) and hosts, as Slurm's sinfo.
+    Sinfo(slurm::SinfoArgs),
     /// Write finished tasks' output files here (sbatch's follower does it
     /// in the background).
     Sync(slurm::SyncArgs),
@@ -450,6 +454,8 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Sacct(args) => slurm::sacct(args).await,
         Command::Scancel(args) => slurm::scancel(args).await,
         Command::Scontrol(args) => slurm::scontrol(args).await,
+        Command::Seff(args) => slurm::seff(args).await,
+        Command::Sinfo(args) => slurm::sinfo(args).await,
         Command::Sync(args) => slurm::sync(args).await,
         Command::Bench {
             command: BenchCommand::Engine(args),

@@ -212,6 +212,7 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route("/healthz", get(meta::healthz))
         .route("/v1/openapi.json", get(meta::openapi))
         .route("/v1/me", get(meta::me))
+        .route("/v1/capacity", get(meta::capacity))
         .route(
             "/v1/templates",
             get(templates::list).post(templates::create),

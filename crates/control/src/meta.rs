@@ -56,7 +56,71 @@ pub async fn me(State(cp): St, Caller(account): Caller) -> Json<Value> {
             "max_volume_size_mb": volumes.size_mb,
             "max_volume_total_mb": volumes.total_mb,
         },
+        // What usage costs (`seff` prices what a job asked for and left unused).
+        "rates": {
+            "cpu_hour_usd": cp.store.rate_card().cpu_hour_usd,
+            "gib_hour_usd": cp.store.rate_card().gib_hour_usd,
+        },
     }))
+}
+
+/// A host heartbeating less recently than this is down (the fronts'
+/// `STALE_AFTER`).
+const HOST_STALE_SECONDS: f64 = 30.0;
+
+/// `GET /v1/capacity`: the fleet's hosts and what they can still take,
+/// for `shoal sinfo`. Hosts by name and counts only (never their
+/// addresses). A single `shoal up` reports itself.
+pub async fn capacity(State(cp): St, Caller(_account): Caller) -> ApiResult<Json<Value>> {
+    let at = crate::now();
+    let rows = cp.store.hosts(at).await?;
+    let hosts: Vec<Value> = if rows.is_empty() {
+        let (max_sandboxes, reserve_mib) = cp.host.capacity_limits();
+        let held = cp
+            .host
+            .engine()
+            .list()
+            .await
+            .into_iter()
+            .filter(|s| s.state != shoal_host::VmState::Hibernated)
+            .count();
+        vec![json!({
+            "name": cp.config.host_name,
+            "state": "up",
+            "vcpus": std::thread::available_parallelism().map_or(1, |n| n.get()),
+            "cpu_busy": null,
+            "memory_mib": shoal_host::meminfo_mib("MemTotal:").unwrap_or(0),
+            "available_mib": shoal_host::meminfo_mib("MemAvailable:").unwrap_or(0),
+            "reserve_mib": reserve_mib,
+            "sandboxes": held,
+            "max_sandboxes": max_sandboxes,
+        })]
+    } else {
+        rows.iter()
+            .map(|h| {
+                let r = &h.report;
+                let state = if !h.is_fresh(at, HOST_STALE_SECONDS) {
+                    "down"
+                } else if r.draining {
+                    "drain"
+                } else {
+                    "up"
+                };
+                json!({
+                    "name": r.id,
+                    "state": state,
+                    "vcpus": r.vcpus,
+                    "cpu_busy": r.cpu_busy,
+                    "memory_mib": r.memory_mib,
+                    "available_mib": r.available_mib,
+                    "reserve_mib": r.reserve_mib,
+                    "sandboxes": r.sandboxes + h.in_flight_sandboxes,
+                    "max_sandboxes": r.max_sandboxes,
+                })
+            })
+            .collect()
+    };
+    Ok(Json(json!({ "hosts": hosts })))
 }
 
 pub async fn snapshots(

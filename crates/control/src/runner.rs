@@ -830,6 +830,8 @@ async fn run_attempt(
         Ran::Exited(status) => {
             outcome.elapsed_ms = Some(status.duration_ms);
             outcome.signal = status.signal;
+            outcome.max_rss_kib = status.usage.map(|u| u.max_rss_kib);
+            outcome.task_cpu_ms = status.usage.map(|u| u.cpu_ms);
             if status.timed_out {
                 outcome.end = CellEnd::Timeout;
                 outcome.error = Some(format!("timeout after {}s", sweep.timeout_seconds));

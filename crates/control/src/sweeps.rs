@@ -475,6 +475,8 @@ fn cell_json(sweep: &SweepRow, cell: &CellRow, whole: bool) -> Value {
         "cost_usd": cell.cost_usd,
         "timings_ms": cell.timings,
         "error": cell.error,
+        "max_rss_kib": cell.max_rss_kib,
+        "task_cpu_ms": cell.task_cpu_ms,
     });
     if whole {
         value["collected"] = cell.collected.clone().unwrap_or_else(|| json!({}));

@@ -71,14 +71,7 @@ fn cpu_times() -> Option<CpuTimes> {
 
 /// `MemTotal` and `MemAvailable`, in MiB.
 fn memory_mib() -> (u64, u64) {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |name: &str| {
-        info.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kib| kib.parse::<u64>().ok())
-            .map_or(0, |kib| kib / 1024)
-    };
+    let field = |name: &str| shoal_host::meminfo_mib(name).unwrap_or(0);
     (field("MemTotal:"), field("MemAvailable:"))
 }
 

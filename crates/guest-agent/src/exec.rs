@@ -143,9 +143,11 @@ impl Output {
     }
 }
 
-/// How the process ended: its raw wait status, and whether we killed it.
+/// How the process ended: its raw wait status, what it used, and whether
+/// we killed it.
 struct Ended {
     status: i32,
+    usage: shoal_proto::ProcessUsage,
     timed_out: bool,
 }
 
@@ -161,6 +163,7 @@ fn exit_msg(ended: Ended, elapsed: Duration) -> GuestMsg {
         signal,
         timed_out: ended.timed_out,
         duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+        usage: Some(ended.usage),
     }
 }
 
@@ -645,8 +648,12 @@ fn pump(
         }
         let timed_out = stop.timed_out;
         let any_open = outputs.iter().any(|o| o.open);
-        if let (Some(status), false) = (status, any_open) {
-            return Ended { status, timed_out };
+        if let (Some((status, usage)), false) = (status, any_open) {
+            return Ended {
+                status,
+                usage,
+                timed_out,
+            };
         }
         // How long we may sleep before the exit or the deadline needs us.
         let wait_limit = if status.is_some() {
@@ -696,8 +703,12 @@ fn pump(
             continue;
         }
         if ready == 0 {
-            if let Some(status) = status {
-                return Ended { status, timed_out };
+            if let Some((status, usage)) = status {
+                return Ended {
+                    status,
+                    usage,
+                    timed_out,
+                };
             }
             continue;
         }

@@ -11,6 +11,7 @@
 //! that must happen atomically with the fork.
 
 use crate::calls::lock;
+use shoal_proto::ProcessUsage;
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -32,7 +33,7 @@ struct Registry {
 }
 
 struct Watch {
-    status: Option<i32>,
+    status: Option<(i32, ProcessUsage)>,
     waker: Arc<OwnedFd>,
 }
 
@@ -71,8 +72,9 @@ impl Reaper {
         Ok(pid)
     }
 
-    /// The raw wait status of a watched pid once it exited; the watch ends.
-    pub fn take_status(&self, pid: i32) -> Option<i32> {
+    /// The raw wait status of a watched pid once it exited, with what it
+    /// and the children it waited for used; the watch ends.
+    pub fn take_status(&self, pid: i32) -> Option<(i32, ProcessUsage)> {
         let mut registry = lock(&self.registry);
         let status = registry.watched.get(&pid)?.status?;
         registry.watched.remove(&pid);
@@ -88,12 +90,14 @@ impl Reaper {
         loop {
             let spawns_before = lock(&self.registry).spawns;
             let mut status = 0;
-            // SAFETY: waitpid writes only to `status`, a valid local.
-            let pid = unsafe { libc::waitpid(-1, &mut status, 0) };
+            // SAFETY: all-zero is a valid rusage.
+            let mut rusage: libc::rusage = unsafe { std::mem::zeroed() };
+            // SAFETY: wait4 writes only to `status` and `rusage`, valid locals.
+            let pid = unsafe { libc::wait4(-1, &mut status, 0, &mut rusage) };
             if pid > 0 {
                 let mut registry = lock(&self.registry);
                 if let Some(watch) = registry.watched.get_mut(&pid) {
-                    watch.status = Some(status);
+                    watch.status = Some((status, usage_of(&rusage)));
                     wake(&watch.waker);
                 }
                 continue;
@@ -110,6 +114,17 @@ impl Reaper {
                 _ => std::thread::sleep(Duration::from_millis(100)),
             }
         }
+    }
+}
+
+/// Linux's rusage: `ru_maxrss` in KiB, the times as timevals.
+fn usage_of(r: &libc::rusage) -> ProcessUsage {
+    let ms = |t: libc::timeval| {
+        u64::try_from(t.tv_sec).unwrap_or(0) * 1000 + u64::try_from(t.tv_usec).unwrap_or(0) / 1000
+    };
+    ProcessUsage {
+        max_rss_kib: u64::try_from(r.ru_maxrss).unwrap_or(0),
+        cpu_ms: ms(r.ru_utime) + ms(r.ru_stime),
     }
 }
 

@@ -127,6 +127,33 @@ async fn echo_output_and_exit_codes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exit_reports_the_peak_memory_and_cpu_of_the_process_and_its_children() {
+    let (_agent, client) = Agent::client().await;
+    // A child that holds ~64 MiB and one that spins: both waited for by
+    // the shell, so both in its rusage.
+    let out = run(
+        &client,
+        "python3 -c 'x = bytearray(64 << 20); x[::4096] = b\"1\" * len(x[::4096]); print(len(x))'; \
+         awk 'BEGIN { for (i = 0; i < 20000000; i++) x += i; print \"spun\" }'",
+    )
+    .await;
+    assert_eq!(out.stdout, b"67108864\nspun\n");
+    let usage = out.status.usage.expect("the agent reports usage");
+    assert!(
+        usage.max_rss_kib >= 60 << 10,
+        "peak {} KiB for a 64 MiB string",
+        usage.max_rss_kib
+    );
+    assert!(
+        usage.cpu_ms >= 50,
+        "cpu {} ms for a busy loop",
+        usage.cpu_ms
+    );
+    let idle = run(&client, "sleep 0.3").await.status.usage.unwrap();
+    assert!(idle.max_rss_kib < 60 << 10 && idle.cpu_ms < 200, "{idle:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_cwd_is_not_found() {
     let (_agent, client) = Agent::client().await;
     let err = client

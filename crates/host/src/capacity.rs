@@ -90,6 +90,11 @@ impl Capacity {
 
     /// The same gate with memory limits adding up to at most `ratio` times
     /// the host's memory less the reserve (0: no such limit).
+    /// The most sandboxes it holds, and the memory it keeps for the host.
+    pub fn limits(&self) -> (Option<usize>, u64) {
+        (self.max_sandboxes, self.reserve_mib)
+    }
+
     pub fn with_overcommit(mut self, ratio: f64) -> Self {
         self.overcommit = ratio;
         self
@@ -205,7 +210,7 @@ pub struct Refusal {
 }
 
 /// A field of /proc/meminfo (`"MemAvailable:"`), in MiB.
-fn meminfo_mib(field: &str) -> Option<u64> {
+pub fn meminfo_mib(field: &str) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = meminfo.lines().find(|l| l.starts_with(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -13,7 +13,7 @@ pub mod imports;
 mod repl;
 mod volumes;
 
-pub use capacity::{Capacity, Held, Reservation, DEFAULT_MEMORY_OVERCOMMIT};
+pub use capacity::{meminfo_mib, Capacity, Held, Reservation, DEFAULT_MEMORY_OVERCOMMIT};
 pub use shoal_engine::error::chain as error_chain;
 pub use shoal_engine::net::GUEST_IP;
 pub use shoal_engine::qemu::VOLUME_SLOTS;
@@ -136,6 +136,11 @@ impl HostAgent {
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// The most sandboxes this host holds, and the memory it keeps.
+    pub fn capacity_limits(&self) -> (Option<usize>, u64) {
+        self.capacity.limits()
     }
 
     /// Takes `count` slots for sandboxes of `memory_mib` of guest RAM each,

@@ -174,6 +174,8 @@ pub struct ExitStatus {
     /// The timeout passed and the process group was killed.
     pub timed_out: bool,
     pub duration_ms: u64,
+    /// Peak memory and CPU time, when the agent reports them.
+    pub usage: Option<crate::ProcessUsage>,
 }
 
 impl ExitStatus {
@@ -1149,12 +1151,14 @@ impl ExecHandle {
                     signal,
                     timed_out,
                     duration_ms,
+                    usage,
                 } => {
                     return Ok(ExecEvent::Exit(ExitStatus {
                         code,
                         signal,
                         timed_out,
                         duration_ms,
+                        usage,
                     }))
                 }
                 GuestMsg::Error { kind, message } => return Err(guest_error(kind, message)),
@@ -1460,6 +1464,7 @@ mod tests {
             signal: None,
             timed_out: false,
             duration_ms: 1,
+            usage: None,
         }
     }
 

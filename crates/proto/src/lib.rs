@@ -220,6 +220,10 @@ pub enum GuestMsg {
         signal: Option<i32>,
         timed_out: bool,
         duration_ms: u64,
+        /// What the process and the children it waited for used (absent
+        /// from agents before it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<ProcessUsage>,
     },
     FileInfo {
         size: u64,
@@ -285,6 +289,15 @@ pub struct FileStat {
     pub mode: u32,
     /// Seconds since the epoch.
     pub mtime: i64,
+}
+
+/// Resources an exec's process used, from `wait4`'s rusage: the largest
+/// resident size of it or of any child it waited for, and their CPU time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessUsage {
+    pub max_rss_kib: u64,
+    /// User plus system time.
+    pub cpu_ms: u64,
 }
 
 /// The JSON part of a frame.

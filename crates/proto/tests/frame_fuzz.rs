@@ -101,14 +101,22 @@ fn guest_msg() -> impl Strategy<Value = GuestMsg> {
         Just(GuestMsg::Pong),
         any::<u32>().prop_map(|pid| GuestMsg::Started { pid }),
         any::<u64>().prop_map(|size| GuestMsg::FileInfo { size }),
-        (any::<Option<i32>>(), any::<bool>(), any::<u64>()).prop_map(|(code, timed_out, ms)| {
-            GuestMsg::Exit {
+        (
+            any::<Option<i32>>(),
+            any::<bool>(),
+            any::<u64>(),
+            any::<Option<(u64, u64)>>()
+        )
+            .prop_map(|(code, timed_out, ms, usage)| GuestMsg::Exit {
                 code,
                 signal: None,
                 timed_out,
                 duration_ms: ms,
-            }
-        }),
+                usage: usage.map(|(max_rss_kib, cpu_ms)| shoal_proto::ProcessUsage {
+                    max_rss_kib,
+                    cpu_ms
+                }),
+            }),
         ".{0,40}".prop_map(|message| GuestMsg::Error {
             kind: shoal_proto::ErrorKind::Io,
             message

@@ -23,6 +23,7 @@ pub mod export;
 pub mod memory;
 pub mod pattern;
 pub mod script;
+pub mod seff;
 pub mod squeue_format;
 pub mod time;
 
@@ -41,6 +42,7 @@ pub use pattern::{
     default_output_pattern, expand_pattern, output_paths, OutputPaths, PatternContext,
     NO_VAL_TASK_ID,
 };
+pub use script::signal_number;
 pub use script::{
     parse_script, parse_script_with_args, BatchScript, DepCondition, DepKind, Dependency,
     Directives, Refusal, ScriptWarning, TimeLimit, WarnSignal,

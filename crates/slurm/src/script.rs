@@ -1510,6 +1510,32 @@ const SIGNALS: &[(&str, i32)] = &[
     ("SYS", 31),
 ];
 
+/// A signal as kill(1) and `scancel --signal` take it: a name (`USR1`,
+/// `SIGUSR1`) or a number 1 to 31. Returns the number and the bare name.
+pub fn signal_number(value: &str) -> Result<(i32, String), SlurmError> {
+    let invalid = || SlurmError::InvalidCount {
+        value: value.to_owned(),
+        reason: "a signal is a name (USR1, SIGTERM) or a number from 1 to 31".into(),
+    };
+    let upper = value.trim().to_ascii_uppercase();
+    let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+    match bare.parse::<i32>() {
+        Ok(n) if (1..=31).contains(&n) => Ok((
+            n,
+            SIGNALS
+                .iter()
+                .find(|(_, number)| *number == n)
+                .map_or(n.to_string(), |(name, _)| (*name).to_owned()),
+        )),
+        Ok(_) => Err(invalid()),
+        Err(_) => SIGNALS
+            .iter()
+            .find(|(n, _)| *n == bare)
+            .map(|(name, number)| (*number, (*name).to_owned()))
+            .ok_or_else(invalid),
+    }
+}
+
 pub(crate) fn parse_signal(value: &str) -> Result<WarnSignal, SlurmError> {
     let invalid = |reason: &str| SlurmError::InvalidCount {
         value: value.to_owned(),

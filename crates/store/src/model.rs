@@ -700,6 +700,9 @@ pub struct CellRow {
     pub signal: Option<i32>,
     /// Whether stdout or stderr of the last attempt was cut to its end.
     pub output_truncated: bool,
+    /// Peak resident KiB and CPU milliseconds of the last attempt's command.
+    pub max_rss_kib: Option<u64>,
+    pub task_cpu_ms: Option<u64>,
     /// The last attempt's phases in milliseconds, as the runner gave them.
     pub timings: Option<serde_json::Value>,
     /// This cell alone was cancelled while it ran.
@@ -766,6 +769,9 @@ pub struct CellOutcome {
     pub output_truncated: bool,
     /// The attempt's phases in milliseconds (kept as given).
     pub timings: Option<serde_json::Value>,
+    /// Peak resident KiB and CPU milliseconds of the command's process.
+    pub max_rss_kib: Option<u64>,
+    pub task_cpu_ms: Option<u64>,
 }
 
 impl CellOutcome {
@@ -786,6 +792,8 @@ impl CellOutcome {
             signal: None,
             output_truncated: false,
             timings: None,
+            max_rss_kib: None,
+            task_cpu_ms: None,
         }
     }
 }

@@ -104,7 +104,7 @@ macro_rules! cell_columns {
         "sweep_id, idx, value, state, attempts, claim_id, claim_epoch, lease_expires_at, \
          claimed_by, started_at, finished_at, exit_code, elapsed_ms, stdout_tail, stderr_tail, \
          collected, sandbox_id, cpu_seconds, gib_seconds, cost_usd, error, signal, \
-         output_truncated, timings, cancel_requested"
+         output_truncated, timings, cancel_requested, max_rss_kib, task_cpu_ms"
     };
 }
 
@@ -263,7 +263,7 @@ macro_rules! finish_sql {
              stdout_tail = $8, stderr_tail = $9, collected = $10, sandbox_id = $11, \
              cpu_seconds = cpu_seconds + $12, gib_seconds = gib_seconds + $13, \
              cost_usd = cost_usd + $14, error = $15, signal = $16, output_truncated = $17, \
-             timings = $18 \
+             timings = $18, max_rss_kib = $19, task_cpu_ms = $20 \
              FROM s WHERE sweep_cells.sweep_id = $1 AND sweep_cells.idx = $2 \
              AND sweep_cells.claim_id = $3 AND sweep_cells.state = 'running' \
              RETURNING sweep_cells.state"
@@ -822,6 +822,8 @@ impl Store {
                 .bind(outcome.signal.map(i64::from))
                 .bind(outcome.output_truncated)
                 .bind(&timings)
+                .bind(outcome.max_rss_kib.map(signed))
+                .bind(outcome.task_cpu_ms.map(signed))
                 .fetch_optional(pool)
                 .await?
                 .map(|r| r.text("state"))
@@ -1303,6 +1305,14 @@ fn cell(row: &impl Column) -> Result<CellRow> {
             .map(|v| i32::try_from(v).map_err(|_| StoreError::Corrupt(format!("signal = {v}"))))
             .transpose()?,
         output_truncated: row.boolean("output_truncated")?,
+        max_rss_kib: row
+            .opt_int("max_rss_kib")?
+            .map(|v| unsigned(v, "max_rss_kib"))
+            .transpose()?,
+        task_cpu_ms: row
+            .opt_int("task_cpu_ms")?
+            .map(|v| unsigned(v, "task_cpu_ms"))
+            .transpose()?,
         timings: row
             .opt_text("timings")?
             .map(|j| from_json(&j, "cell timings"))

@@ -12,6 +12,7 @@
 pub mod api;
 pub mod config;
 pub mod follow;
+pub mod info;
 pub mod inputs;
 pub mod sbatch;
 pub mod views;
@@ -115,6 +116,10 @@ pub struct ScancelArgs {
     /// Without ids: only tasks in these states (PENDING, RUNNING; PD, R).
     #[arg(short = 't', long = "state")]
     pub state: Option<String>,
+    /// Send this signal (USR1, SIGTERM, 10) to the running tasks instead
+    /// of cancelling them.
+    #[arg(short = 's', long = "signal")]
+    pub signal: Option<String>,
 }
 
 /// `shoal scontrol COMMAND ...`, in scontrol's words.
@@ -123,6 +128,28 @@ pub struct ScontrolArgs {
     /// `show job ID`, `requeue ID`, `update JobId=ID ArrayTaskThrottle=N`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
     pub words: Vec<String>,
+}
+
+/// `shoal seff JOBID[_TASK]`.
+#[derive(Args)]
+pub struct SeffArgs {
+    /// A job (every task) or one array task.
+    pub job: String,
+}
+
+/// `shoal sinfo`.
+#[derive(Args)]
+#[command(disable_help_flag = true)]
+pub struct SinfoArgs {
+    /// One line per host and partition, with CPUs and memory.
+    #[arg(short = 'N', long = "Node")]
+    pub nodes: bool,
+    /// No header line.
+    #[arg(short = 'h', long = "noheader")]
+    pub noheader: bool,
+    /// Print help.
+    #[arg(long = "help", action = clap::ArgAction::Help)]
+    pub help: Option<bool>,
 }
 
 #[derive(Args)]
@@ -140,6 +167,20 @@ pub struct SyncArgs {
 
 fn api() -> Result<api::Api> {
     api::Api::new(&config::Config::load()?)
+}
+
+pub async fn seff(args: SeffArgs) -> Result<ExitCode> {
+    let config = config::Config::load()?;
+    let api = api::Api::new(&config)?;
+    info::seff(&api, &args.job, config.cluster_name()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn sinfo(args: SinfoArgs) -> Result<ExitCode> {
+    let config = config::Config::load()?;
+    let api = api::Api::new(&config)?;
+    info::sinfo(&api, args.nodes, args.noheader, config.default_template()).await?;
+    Ok(ExitCode::SUCCESS)
 }
 
 pub async fn sbatch(args: SbatchArgs) -> Result<ExitCode> {
@@ -196,6 +237,15 @@ pub async fn scontrol(args: ScontrolArgs) -> Result<ExitCode> {
 }
 
 pub async fn scancel(args: ScancelArgs) -> Result<ExitCode> {
+    if let Some(signal) = &args.signal {
+        let filter = views::ScancelFilter {
+            user: args.user.clone(),
+            name: args.name.clone(),
+            states: None,
+        };
+        views::signal_tasks(&api()?, &args.jobs, &filter, signal).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if args.jobs.is_empty() {
         let filter = views::ScancelFilter {
             user: args.user,

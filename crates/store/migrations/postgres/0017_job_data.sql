@@ -45,6 +45,10 @@ ALTER TABLE sweeps ADD COLUMN data_path TEXT;
 -- and its dependencies are met.
 ALTER TABLE sweeps ADD COLUMN user_hold BOOLEAN NOT NULL DEFAULT FALSE;
 ALTER TABLE sweeps ADD COLUMN begin_at DOUBLE PRECISION;
+-- What a task's process used (the guest agent's wait4 rusage): peak
+-- resident KiB and CPU milliseconds, for sacct's MaxRSS and TotalCPU.
+ALTER TABLE sweep_cells ADD COLUMN max_rss_kib BIGINT;
+ALTER TABLE sweep_cells ADD COLUMN task_cpu_ms BIGINT;
 -- Any agent runs an account's cells (see 0009): it reads inputs, writes
 -- results and output.
 GRANT SELECT, INSERT, UPDATE, DELETE ON blobs, blob_chunks, cell_output TO shoal_hosts;
