@@ -1340,19 +1340,24 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         };
         // Only the end of a failed setup's output is kept (SETUP_OUTPUT);
         // reading the first MAX_OUTPUT bytes of each stream is plenty.
+        let setup_started = Instant::now();
         let output = agent
             .exec_collect_limited(request, MAX_OUTPUT)
             .await
             .map_err(|e| e.to_string())?;
-        Ok::<_, String>(output)
+        Ok::<_, String>((output, setup_started.elapsed().as_secs_f64()))
     }
     .await;
     let state = match outcome {
-        Ok(output) if output.status.success() => {
+        Ok((output, took)) if output.status.success() => {
             tracing::info!(sweep = sweep.id, parent = row.id, "fork parent set up");
+            // What each forked cell did not run again (seff's warm start).
+            if let Err(e) = cp.store.set_prelude_seconds(&sweep.id, took).await {
+                tracing::warn!(error = e.chain(), "recording the setup's time");
+            }
             ParentState::Ready(row.id.clone())
         }
-        Ok(output) => {
+        Ok((output, _)) => {
             let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
             text.push_str(&String::from_utf8_lossy(&output.stderr));
             let how = if output.status.timed_out {

@@ -430,6 +430,7 @@ fn sweep_json(row: &SweepRow, summary: &SweepSummary) -> Value {
         "slurm": row.slurm,
         "inputs": row.data_path.as_ref().map(|d| d.inputs.len()),
         "hold": row.user_hold,
+        "prelude_seconds": row.prelude_seconds,
         "begin_at": row.begin_at.map(rfc3339),
         "results_under": row.data_path.as_ref().map(|d| &d.results_under),
     })

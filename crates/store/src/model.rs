@@ -660,6 +660,8 @@ pub struct SweepRow {
     pub data_path: Option<DataPath>,
     pub user_hold: bool,
     pub begin_at: Option<f64>,
+    /// How long its `fork_from` setup took (once it ran).
+    pub prelude_seconds: Option<f64>,
     /// When a cell was first claimed.
     pub started_at: Option<f64>,
 }

@@ -77,7 +77,8 @@ macro_rules! sweep_columns {
             $env,
             ", cells, throttle, timeout_seconds, \
              max_attempts, collect, fork_from, state, created_at, finished_at, job_id, reason, \
-             after_ok, workdir, files, slurm, started_at, data_path, user_hold, begin_at"
+             after_ok, workdir, files, slurm, started_at, data_path, user_hold, begin_at, \
+             prelude_seconds"
         )
     };
 }
@@ -112,7 +113,7 @@ const INSERT_SWEEP: &str = concat!(
     "INSERT INTO sweeps (",
     sweep_columns!(),
     ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
-     $18, $19, $20, $21, $22, $23, $24, $25)"
+     $18, $19, $20, $21, $22, $23, $24, $25, $26)"
 );
 
 /// Takes a block of $1 job ids; the block ends before the value returned.
@@ -484,6 +485,7 @@ impl Store {
             data_path: new.data_path.clone(),
             user_hold: new.hold,
             begin_at: new.begin_at,
+            prelude_seconds: None,
         };
         let block = signed(new.cells.len().max(1) as u64);
         let after_ok = to_json(&new.after_ok);
@@ -530,6 +532,7 @@ impl Store {
                 .bind(&data_path)
                 .bind(row.user_hold)
                 .bind(row.begin_at)
+                .bind(row.prelude_seconds)
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| already_exists(e, "sweep", &row.id))?;
@@ -1102,6 +1105,18 @@ impl Store {
         Ok(resolution)
     }
 
+    /// Records how long the sweep's `fork_from` setup took.
+    pub async fn set_prelude_seconds(&self, sweep_id: &str, seconds: f64) -> Result<()> {
+        on_writer!(self, pool => {
+            sqlx::query("UPDATE sweeps SET prelude_seconds = $2 WHERE id = $1")
+                .bind(sweep_id)
+                .bind(seconds)
+                .execute(pool)
+                .await?;
+        });
+        Ok(())
+    }
+
     /// Holds the account's sweep (`scontrol hold`); false if it is not
     /// active or held (finished, cancelled, or not the account's).
     pub async fn hold_sweep(&self, account_id: i64, id: &str) -> Result<bool> {
@@ -1265,6 +1280,7 @@ fn sweep(row: &impl Column) -> Result<SweepRow> {
             .transpose()?,
         user_hold: row.boolean("user_hold")?,
         begin_at: row.opt_real("begin_at")?,
+        prelude_seconds: row.opt_real("prelude_seconds")?,
     })
 }
 

@@ -14,6 +14,7 @@ pub mod config;
 pub mod follow;
 pub mod info;
 pub mod inputs;
+pub mod prelude;
 pub mod sbatch;
 pub mod views;
 

@@ -54,6 +54,8 @@ pub struct Invocation {
     pub wrap: Option<String>,
     /// `--test-only`: check and say what would run, submit nothing.
     pub test_only: bool,
+    /// `--prelude FILE`: run once per job; every task forks from it.
+    pub prelude: Option<String>,
     /// `--shoal-input PATH`: more inputs than the submit directory
     /// (`--input` is sbatch's standard input).
     pub inputs: Vec<String>,
@@ -110,6 +112,15 @@ pub fn split_args(args: &[String]) -> Invocation {
         }
         if a == "--wrap" {
             inv.wrap = args.get(i).cloned();
+            i += 1;
+            continue;
+        }
+        if let Some(path) = a.strip_prefix("--prelude=") {
+            inv.prelude = Some(path.to_owned());
+            continue;
+        }
+        if a == "--prelude" {
+            inv.prelude = args.get(i).cloned();
             i += 1;
             continue;
         }
@@ -363,6 +374,28 @@ pub fn sweep_request(
     who: &Submitter,
     config: &Config,
 ) -> Result<Value> {
+    sweep_request_with(
+        script,
+        script_path,
+        script_args,
+        template,
+        who,
+        config,
+        None,
+    )
+}
+
+/// [`sweep_request`], with the job's prelude file (`--prelude`) if given.
+pub fn sweep_request_with(
+    script: &BatchScript,
+    script_path: Option<&str>,
+    script_args: &[String],
+    template: &Template,
+    who: &Submitter,
+    config: &Config,
+    prelude_file: Option<String>,
+) -> Result<Value> {
+    let split = super::prelude::split(&script.body, prelude_file, &who.submit_dir)?;
     let d = &script.directives;
     let name = d.job_name_or_default(script_path);
     let work = work_dir(d, &who.submit_dir);
@@ -397,7 +430,7 @@ pub fn sweep_request(
         "timeout_seconds": timeout,
         "retries": 0,
         "files": {
-            SCRIPT_PATH: base64::engine::general_purpose::STANDARD.encode(&script.body),
+            SCRIPT_PATH: base64::engine::general_purpose::STANDARD.encode(&split.task_body),
             format!("{SRUN_DIR}/srun"): base64::engine::general_purpose::STANDARD.encode(SRUN),
         },
         // What a task writes or changes under the submit directory (and
@@ -437,6 +470,17 @@ pub fn sweep_request(
     }
     if d.hold {
         body["hold"] = json!(true);
+    }
+    if let Some(prelude) = &split.prelude {
+        // Run by the script's own interpreter, in the working directory,
+        // once; every task forks from the sandbox it leaves.
+        let interpreter = script.shebang.as_deref().unwrap_or("/bin/sh");
+        body["files"][super::prelude::PRELUDE_PATH] =
+            json!(base64::engine::general_purpose::STANDARD.encode(prelude));
+        body["fork_from"] = json!({
+            "setup": format!("{interpreter} {}", super::prelude::PRELUDE_PATH),
+            "timeout_seconds": timeout,
+        });
     }
     if let Some(begin) = &d.begin {
         let at = shoal_slurm::parse_begin(begin, chrono::Local::now())?;
@@ -542,13 +586,19 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
     } else {
         inv.script.as_deref()
     };
-    let body = sweep_request(
+    let prelude_file = inv
+        .prelude
+        .as_deref()
+        .map(|f| std::fs::read_to_string(f).with_context(|| format!("--prelude {f}")))
+        .transpose()?;
+    let body = sweep_request_with(
         &script,
         script_name,
         &inv.script_args,
         &template,
         &who,
         &config,
+        prelude_file,
     )?;
     let mut extra_inputs = super::inputs::directive_inputs(&text);
     extra_inputs.extend(inv.inputs.iter().cloned());

@@ -45,6 +45,9 @@ ALTER TABLE sweeps ADD COLUMN data_path TEXT;
 -- and its dependencies are met.
 ALTER TABLE sweeps ADD COLUMN user_hold BOOLEAN NOT NULL DEFAULT FALSE;
 ALTER TABLE sweeps ADD COLUMN begin_at DOUBLE PRECISION;
+-- How long a fork_from setup (a Slurm job's prelude) took, once it ran:
+-- what every forked task did not have to run again.
+ALTER TABLE sweeps ADD COLUMN prelude_seconds DOUBLE PRECISION;
 -- What a task's process used (the guest agent's wait4 rusage): peak
 -- resident KiB and CPU milliseconds, for sacct's MaxRSS and TotalCPU.
 ALTER TABLE sweep_cells ADD COLUMN max_rss_kib BIGINT;
@@ -53,4 +56,5 @@ ALTER TABLE sweep_cells ADD COLUMN task_cpu_ms BIGINT;
 -- results and output.
 GRANT SELECT, INSERT, UPDATE, DELETE ON blobs, blob_chunks, cell_output TO shoal_hosts;
 -- Hosts read sweeps column by column (0010: never `env`): the new columns too.
-GRANT SELECT (data_path, user_hold, begin_at) ON sweeps TO shoal_hosts;
+GRANT SELECT (data_path, user_hold, begin_at, prelude_seconds) ON sweeps TO shoal_hosts;
+GRANT UPDATE (prelude_seconds) ON sweeps TO shoal_hosts;

@@ -45,6 +45,9 @@ ALTER TABLE sweeps ADD COLUMN data_path TEXT;
 -- and its dependencies are met.
 ALTER TABLE sweeps ADD COLUMN user_hold BOOLEAN NOT NULL DEFAULT FALSE;
 ALTER TABLE sweeps ADD COLUMN begin_at REAL;
+-- How long a fork_from setup (a Slurm job's prelude) took, once it ran:
+-- what every forked task did not have to run again.
+ALTER TABLE sweeps ADD COLUMN prelude_seconds REAL;
 -- What a task's process used (the guest agent's wait4 rusage): peak
 -- resident KiB and CPU milliseconds, for sacct's MaxRSS and TotalCPU.
 ALTER TABLE sweep_cells ADD COLUMN max_rss_kib INTEGER;
