@@ -143,6 +143,9 @@ enum Command {
     Scancel(slurm::ScancelArgs),
     /// scontrol: `show job ID`, `requeue ID`, `update JobId=ID ArrayTaskThrottle=N`.
     Scontrol(slurm::ScontrolArgs),
+    /// A shell (or `-- CMD`) in the sandbox a failed task left behind
+    /// (`sbatch --keep-failed`).
+    Debug(slurm::DebugArgs),
     /// How well a job used the CPUs and memory it asked for, and the cost.
     Seff(slurm::SeffArgs),
     /// The fleet's partitions (templates) and hosts, as Slurm's sinfo.
@@ -454,6 +457,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Sacct(args) => slurm::sacct(args).await,
         Command::Scancel(args) => slurm::scancel(args).await,
         Command::Scontrol(args) => slurm::scontrol(args).await,
+        Command::Debug(args) => slurm::debug(args).await,
         Command::Seff(args) => slurm::seff(args).await,
         Command::Sinfo(args) => slurm::sinfo(args).await,
         Command::Sync(args) => slurm::sync(args).await,

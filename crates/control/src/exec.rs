@@ -366,3 +366,148 @@ mod tests {
         assert_eq!(decoder.push(&[0xff, b'c']), "\u{fffd}c");
     }
 }
+
+// ---- the interactive terminal ----
+
+/// The longest message a terminal client may send (keystrokes and pastes
+/// arrive in small frames; a paste is split by the client).
+const PTY_MAX_MESSAGE: usize = 64 << 10;
+/// How often the server pings an idle terminal, as PandaStack's does.
+const PTY_PING: Duration = Duration::from_secs(20);
+/// A terminal whose client sends nothing, not even a pong, for this long
+/// is closed (its shell is killed).
+const PTY_CLIENT_SILENCE: Duration = Duration::from_secs(120);
+/// Rows and columns a terminal may have.
+const PTY_MAX_SIDE: u16 = 1000;
+
+#[derive(Deserialize)]
+pub struct PtyQuery {
+    rows: Option<u16>,
+    cols: Option<u16>,
+    /// The command; a login shell when absent.
+    cmd: Option<String>,
+}
+
+/// A control message from a terminal client (a text frame).
+#[derive(Deserialize)]
+struct PtyControl {
+    resize: Option<shoal_proto::PtySize>,
+    stdin: Option<String>,
+}
+
+fn pty_size(rows: Option<u16>, cols: Option<u16>) -> ApiResult<shoal_proto::PtySize> {
+    let side = |v: Option<u16>, default: u16, name: &str| match v.unwrap_or(default) {
+        n @ 1..=PTY_MAX_SIDE => Ok(n),
+        n => Err(ApiError::bad_request(format!(
+            "{name} must be 1 to {PTY_MAX_SIDE}: {n}"
+        ))),
+    };
+    Ok(shoal_proto::PtySize {
+        rows: side(rows, 24, "rows")?,
+        cols: side(cols, 80, "cols")?,
+    })
+}
+
+/// `GET /v1/sandboxes/{id}/exec/pty?rows=&cols=&cmd=`: an interactive
+/// terminal over a WebSocket, PandaStack's protocol: binary frames are raw
+/// bytes both ways; a client's text frame is `{"resize": {"rows", "cols"}}`
+/// or `{"stdin": "..."}`; the server ends with the text frame `{"exit":
+/// code}` (or `{"error": "..."}`) and closes. Closing the socket kills the
+/// shell's process group.
+pub async fn pty(
+    State(cp): State<Arc<ControlPlane>>,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    axum::extract::Query(query): axum::extract::Query<PtyQuery>,
+    upgrade: axum::extract::ws::WebSocketUpgrade,
+) -> ApiResult<Response> {
+    let size = pty_size(query.rows, query.cols)?;
+    cp.running(&account, &id).await?;
+    let agent = cp.host.engine().agent(&id).await?;
+    let activity = Activity::start(&cp, &id).await?;
+    let cmd = query.cmd.unwrap_or_else(|| {
+        "if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi".into()
+    });
+    let mut request = ExecRequest::new(cmd).env("TERM", "xterm-256color");
+    request.pty = Some(size);
+    request.stdin = true;
+    let handle = agent.exec(request).await?;
+    Ok(upgrade
+        .max_message_size(PTY_MAX_MESSAGE)
+        .max_frame_size(PTY_MAX_MESSAGE)
+        .on_upgrade(move |socket| async move {
+            let _activity = activity;
+            bridge_pty(socket, handle).await;
+        }))
+}
+
+/// Carries a terminal between a WebSocket and a guest exec until either
+/// ends.
+async fn bridge_pty(
+    socket: axum::extract::ws::WebSocket,
+    mut handle: shoal_proto::client::ExecHandle,
+) {
+    use axum::extract::ws::Message;
+    use futures::{SinkExt as _, StreamExt as _};
+    let input = handle.input();
+    let (mut to_client, mut from_client) = socket.split();
+    let mut ping = tokio::time::interval(PTY_PING);
+    let mut heard = tokio::time::Instant::now();
+    let ended = loop {
+        tokio::select! {
+            event = handle.next_event() => match event {
+                Ok(ExecEvent::Stdout(bytes)) | Ok(ExecEvent::Stderr(bytes)) => {
+                    if to_client.send(Message::Binary(bytes.into())).await.is_err() {
+                        break None;
+                    }
+                }
+                Ok(ExecEvent::Exit(status)) => break Some(json!({ "exit": exit_code(&status) })),
+                Err(e) => break Some(json!({ "error": format!("guest agent: {e}") })),
+            },
+            message = from_client.next() => {
+                heard = tokio::time::Instant::now();
+                let sent = match message {
+                    None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break None,
+                    Some(Ok(Message::Binary(bytes))) => input.send_stdin(&bytes, false).await,
+                    Some(Ok(Message::Text(text))) => match serde_json::from_str::<PtyControl>(&text) {
+                        Ok(control) => {
+                            let mut result = Ok(());
+                            if let Some(size) = control.resize {
+                                if let Ok(size) = pty_size(Some(size.rows), Some(size.cols)) {
+                                    result = input.resize(size);
+                                }
+                            }
+                            if let (Ok(()), Some(text)) = (&result, control.stdin) {
+                                result = input.send_stdin(text.as_bytes(), false).await;
+                            }
+                            result
+                        }
+                        // Not a control message: ignored, as PandaStack does.
+                        Err(_) => Ok(()),
+                    },
+                    Some(Ok(_)) => Ok(()),
+                };
+                if let Err(e) = sent {
+                    break Some(json!({ "error": format!("guest agent: {e}") }));
+                }
+            }
+            _ = ping.tick() => {
+                if heard.elapsed() > PTY_CLIENT_SILENCE
+                    || to_client.send(Message::Ping(Vec::new().into())).await.is_err()
+                {
+                    break None;
+                }
+            }
+        }
+    };
+    match ended {
+        Some(last) => {
+            let _ = to_client.send(Message::Text(last.to_string().into())).await;
+            let _ = to_client.send(Message::Close(None)).await;
+        }
+        // The client went: so does the shell.
+        None => {
+            let _ = input.signal(9);
+        }
+    }
+}

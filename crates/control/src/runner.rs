@@ -809,9 +809,25 @@ async fn run_attempt(
 
     // The sandbox goes; its last usage reading, taken for the meter just
     // before the kill, prices the cell (one read of the process's memory
-    // map, which costs milliseconds, not two).
+    // map, which costs milliseconds, not two). A failed task's is kept,
+    // hibernated, when the job asked (`--keep-failed`).
     let phase = Instant::now();
-    let (cpu_seconds, gib_seconds) = guard.delete().await.map_or((0.0, 0.0), |usage| {
+    let failed_task = match &ran {
+        Ran::Exited(status) => status.timed_out || !status.success(),
+        Ran::HostTimeout => true,
+        _ => false,
+    };
+    let keep_for = keep_failed_seconds(sweep.slurm.as_ref()).filter(|_| failed_task);
+    let mut kept_until = None;
+    let usage = match keep_for {
+        Some(seconds) => {
+            let usage = cp.host.engine().usage(&sandbox).ok().flatten();
+            kept_until = keep_sandbox(cp, guard, created_at, seconds).await;
+            usage
+        }
+        None => guard.delete().await,
+    };
+    let (cpu_seconds, gib_seconds) = usage.map_or((0.0, 0.0), |usage| {
         let age = (now() - created_at).max(0.0);
         (usage.cpu_seconds, usage.pss_bytes as f64 / GIB * age)
     });
@@ -886,6 +902,16 @@ async fn run_attempt(
     }
     if outcome.error.is_none() {
         outcome.error = collect_note;
+    }
+    if let Some(until) = kept_until {
+        let note = format!(
+            "sandbox {sandbox} kept, hibernated, until {} for `shoal debug`",
+            crate::rfc3339(until)
+        );
+        outcome.error = Some(match outcome.error.take() {
+            Some(e) => format!("{e}; {note}"),
+            None => note,
+        });
     }
     if !collected.is_empty() {
         outcome.collected = Some(json!(collected));
@@ -963,6 +989,60 @@ impl Drop for SandboxGuard {
             tokio::spawn(async move {
                 destroy(&cp, &id).await;
             });
+        }
+    }
+}
+
+/// `--keep-failed[=TIME]`: how long a failed task's sandbox is kept, from
+/// the job's `slurm.keep_failed_seconds` (at most a week).
+fn keep_failed_seconds(slurm: Option<&Value>) -> Option<u64> {
+    slurm?
+        .get("keep_failed_seconds")?
+        .as_u64()
+        .filter(|s| *s > 0)
+        .map(|s| s.min(MAX_KEEP_FAILED_SECONDS))
+}
+
+/// The longest a failed task's sandbox is kept.
+const MAX_KEEP_FAILED_SECONDS: u64 = 7 * 86400;
+
+/// Hibernates the guard's sandbox instead of deleting it, to be reaped
+/// `seconds` from now (its ttl, and its lifetime from `created_at`).
+/// Returns when it goes, or `None` when it could not be kept (it is
+/// deleted then).
+async fn keep_sandbox(
+    cp: &Arc<ControlPlane>,
+    mut guard: SandboxGuard,
+    created_at: f64,
+    seconds: u64,
+) -> Option<f64> {
+    let id = guard.id.take()?;
+    let kept = async {
+        cp.host.hibernate(&id).await.map_err(|e| e.to_string())?;
+        let at = now();
+        let age = (at - created_at).max(0.0).ceil() as u64;
+        cp.store
+            .update_sandbox(
+                &id,
+                shoal_store::SandboxPatch {
+                    status: Some("hibernated".into()),
+                    ttl_seconds: Some(seconds),
+                    max_lifetime_seconds: Some(age + seconds),
+                    ..shoal_store::SandboxPatch::default()
+                },
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        cp.store.touch(&id, at).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(at + seconds as f64)
+    }
+    .await;
+    match kept {
+        Ok(until) => Some(until),
+        Err(e) => {
+            tracing::warn!(sandbox = id, error = e, "keeping a failed task's sandbox");
+            destroy(cp, &id).await;
+            None
         }
     }
 }

@@ -1126,10 +1126,68 @@ impl std::fmt::Debug for ExecHandle {
     }
 }
 
+/// The input side of an exec (stdin, resize, signals), usable while
+/// another task reads its events: a terminal bridge writes keystrokes as
+/// the output streams.
+#[derive(Clone)]
+pub struct ExecInput {
+    id: CallId,
+    inner: Arc<Inner>,
+}
+
+impl ExecInput {
+    /// [`ExecHandle::send_stdin`].
+    pub async fn send_stdin(&self, data: &[u8], eof: bool) -> Result<(), AgentError> {
+        for chunk in data.chunks(MAX_CHUNK) {
+            self.inner
+                .outbox
+                .send_bulk(&Frame::with_payload(
+                    self.id,
+                    HostMsg::Stdin { eof: false },
+                    chunk.to_vec(),
+                ))
+                .await?;
+        }
+        if eof {
+            self.inner
+                .outbox
+                .send_bulk(&Frame::with_payload(
+                    self.id,
+                    HostMsg::Stdin { eof },
+                    Vec::new(),
+                ))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// [`ExecHandle::resize`].
+    pub fn resize(&self, size: PtySize) -> Result<(), AgentError> {
+        self.inner
+            .outbox
+            .send(&Frame::new(self.id, HostMsg::Resize(size)))
+    }
+
+    /// [`ExecHandle::signal`].
+    pub fn signal(&self, signal: i32) -> Result<(), AgentError> {
+        self.inner
+            .outbox
+            .send(&Frame::new(self.id, HostMsg::Signal { signal }))
+    }
+}
+
 impl ExecHandle {
     /// The guest pid of the shell, which is also its process group.
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// A sender of this exec's input, for use beside [`Self::next_event`].
+    pub fn input(&self) -> ExecInput {
+        ExecInput {
+            id: self.call.id,
+            inner: self.call.inner.clone(),
+        }
     }
 
     /// The next chunk of output, or the exit. After `Exit` it returns

@@ -32,33 +32,52 @@ pub struct Input {
     pub mode: u32,
 }
 
-/// The paths of `#SHOAL --input PATH` (or `--input=PATH`) lines of the
-/// script's header (its leading comments and blank lines).
-pub fn directive_inputs(script: &str) -> Vec<String> {
-    let mut paths = Vec::new();
+/// The words of the `#SHOAL` lines of the script's header (its leading
+/// comments and blank lines), in order: Shoal's own options.
+pub fn shoal_words(script: &str) -> Vec<String> {
+    let mut words = Vec::new();
     for line in script.lines().skip(1) {
         let line = line.trim();
         if !line.is_empty() && !line.starts_with('#') {
             break;
         }
-        let Some(rest) = line.strip_prefix("#SHOAL") else {
-            continue;
-        };
-        let words: Vec<&str> = rest.split_whitespace().collect();
-        let mut i = 0;
-        while i < words.len() {
-            if let Some(path) = words[i].strip_prefix("--input=") {
-                paths.push(path.to_owned());
-            } else if words[i] == "--input" {
-                if let Some(path) = words.get(i + 1) {
-                    paths.push((*path).to_owned());
-                    i += 1;
-                }
-            }
-            i += 1;
+        if let Some(rest) = line.strip_prefix("#SHOAL") {
+            words.extend(rest.split_whitespace().map(str::to_owned));
         }
     }
-    paths
+    words
+}
+
+/// The value of `--name VALUE` / `--name=VALUE` among `words`, each time
+/// it is given; `--name` alone gives `""`.
+pub fn option_values(words: &[String], name: &str) -> Vec<String> {
+    let mut values = Vec::new();
+    let flag = format!("--{name}");
+    let mut i = 0;
+    while i < words.len() {
+        if let Some(v) = words[i].strip_prefix(&format!("{flag}=")) {
+            values.push(v.to_owned());
+        } else if words[i] == flag {
+            match words.get(i + 1).filter(|w| !w.starts_with("--")) {
+                Some(v) => {
+                    values.push(v.clone());
+                    i += 1;
+                }
+                None => values.push(String::new()),
+            }
+        }
+        i += 1;
+    }
+    values
+}
+
+/// The paths of `#SHOAL --input PATH` (or `--input=PATH`) lines of the
+/// script's header.
+pub fn directive_inputs(script: &str) -> Vec<String> {
+    option_values(&shoal_words(script), "input")
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .collect()
 }
 
 /// The files under `dir` (its `.shoalignore` honoured), counted against

@@ -11,6 +11,7 @@
 
 pub mod api;
 pub mod config;
+pub mod debug;
 pub mod follow;
 pub mod info;
 pub mod inputs;
@@ -131,6 +132,16 @@ pub struct ScontrolArgs {
     pub words: Vec<String>,
 }
 
+/// `shoal debug JOBID_TASK [-- CMD...]`.
+#[derive(Args)]
+pub struct DebugArgs {
+    /// The failed task whose kept sandbox to enter (`1000_14`).
+    pub task: String,
+    /// A command to run there instead of an interactive shell.
+    #[arg(last = true)]
+    pub command: Vec<String>,
+}
+
 /// `shoal seff JOBID[_TASK]`.
 #[derive(Args)]
 pub struct SeffArgs {
@@ -168,6 +179,11 @@ pub struct SyncArgs {
 
 fn api() -> Result<api::Api> {
     api::Api::new(&config::Config::load()?)
+}
+
+pub async fn debug(args: DebugArgs) -> Result<ExitCode> {
+    let code = debug::debug(&args.task, &args.command).await?;
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
 
 pub async fn seff(args: SeffArgs) -> Result<ExitCode> {

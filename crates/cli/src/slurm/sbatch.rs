@@ -56,6 +56,9 @@ pub struct Invocation {
     pub test_only: bool,
     /// `--prelude FILE`: run once per job; every task forks from it.
     pub prelude: Option<String>,
+    /// `--keep-failed[=TIME]`: keep a failed task's sandbox (hibernated)
+    /// for `shoal debug`; the value as given (`""`: the default).
+    pub keep_failed: Option<String>,
     /// `--shoal-input PATH`: more inputs than the submit directory
     /// (`--input` is sbatch's standard input).
     pub inputs: Vec<String>,
@@ -113,6 +116,14 @@ pub fn split_args(args: &[String]) -> Invocation {
         if a == "--wrap" {
             inv.wrap = args.get(i).cloned();
             i += 1;
+            continue;
+        }
+        if a == "--keep-failed" {
+            inv.keep_failed = Some(String::new());
+            continue;
+        }
+        if let Some(time) = a.strip_prefix("--keep-failed=") {
+            inv.keep_failed = Some(time.to_owned());
             continue;
         }
         if let Some(path) = a.strip_prefix("--prelude=") {
@@ -366,6 +377,7 @@ fn shell_quote(s: &str) -> String {
 }
 
 /// The `POST /v1/sweeps` body of a parsed script.
+#[cfg(test)]
 pub fn sweep_request(
     script: &BatchScript,
     script_path: Option<&str>,
@@ -489,6 +501,38 @@ pub fn sweep_request_with(
     Ok(body)
 }
 
+/// `--keep-failed` without a time: two hours.
+const DEFAULT_KEEP_FAILED_SECONDS: u64 = 2 * 3600;
+
+/// `--keep-failed=TIME`: `90s`, `30m`, `2h`, `1d`, or a Slurm time
+/// (`2:00:00`, `120` minutes); empty: two hours.
+pub fn parse_keep_failed(value: &str) -> Result<u64> {
+    let v = value.trim();
+    if v.is_empty() {
+        return Ok(DEFAULT_KEEP_FAILED_SECONDS);
+    }
+    let unit = |suffix: char, seconds: u64| {
+        v.strip_suffix(suffix)
+            .and_then(|n| n.parse::<u64>().ok())
+            .map(|n| n * seconds)
+    };
+    let seconds = unit('s', 1)
+        .or_else(|| unit('m', 60))
+        .or_else(|| unit('h', 3600))
+        .or_else(|| unit('d', 86400))
+        .or_else(|| {
+            shoal_slurm::parse_time_limit(v)
+                .ok()
+                .flatten()
+                .map(|d| d.as_secs())
+        })
+        .with_context(|| format!("--keep-failed={v}: a time such as 2h, 30m, 1d or 2:00:00"))?;
+    if seconds == 0 || seconds > 7 * 86400 {
+        bail!("--keep-failed={v}: from a second to a week");
+    }
+    Ok(seconds)
+}
+
 /// Bytes as sbatch users read them.
 fn human_bytes(bytes: u64) -> String {
     match bytes {
@@ -586,6 +630,11 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
     } else {
         inv.script.as_deref()
     };
+    let words = super::inputs::shoal_words(&text);
+    let keep_failed = inv
+        .keep_failed
+        .clone()
+        .or_else(|| super::inputs::option_values(&words, "keep-failed").pop());
     let prelude_file = inv
         .prelude
         .as_deref()
@@ -603,6 +652,10 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
     let mut extra_inputs = super::inputs::directive_inputs(&text);
     extra_inputs.extend(inv.inputs.iter().cloned());
     let inputs = super::inputs::gather(&who.submit_dir, &extra_inputs)?;
+    let mut body = body;
+    if let Some(keep) = &keep_failed {
+        body["slurm"]["keep_failed_seconds"] = json!(parse_keep_failed(keep)?);
+    }
     if inv.test_only {
         eprintln!("{}", test_only_line(&body, &template));
         eprintln!(
@@ -612,7 +665,6 @@ pub async fn sbatch(args: &[String]) -> Result<std::process::ExitCode> {
         );
         return Ok(std::process::ExitCode::SUCCESS);
     }
-    let mut body = body;
     let sent = super::inputs::send(&api, &inputs)
         .await
         .context("Batch job submission failed: sending the inputs")?;

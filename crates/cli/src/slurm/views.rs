@@ -605,6 +605,85 @@ pub async fn scancel(api: &Api, targets: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// `scancel --signal=SIG`: sends SIG to every process of each running task
+/// the ids (or, without ids, the filters) name, instead of cancelling. The
+/// signal goes through the sandbox's exec route (`kill -s SIG -1`: every
+/// process but the guest's init), so the task's batch shell gets it too,
+/// as with scancel's `--full`. Returns how many tasks were signalled.
+pub async fn signal_tasks(
+    api: &Api,
+    targets: &[String],
+    filter: &ScancelFilter,
+    signal: &str,
+) -> Result<usize> {
+    let (_, name) = shoal_slurm::signal_number(signal)?;
+    let mut chosen: Vec<(Value, Vec<Value>)> = Vec::new();
+    if targets.is_empty() {
+        for s in api.sweeps().await? {
+            if !is_queued(&s) {
+                continue;
+            }
+            let user_ok = filter
+                .user
+                .as_ref()
+                .is_none_or(|u| s["slurm"]["user"].as_str() == Some(u.as_str()));
+            let job_name = s["slurm"]["job_name"].as_str().or(s["name"].as_str());
+            let name_ok = filter
+                .name
+                .as_ref()
+                .is_none_or(|n| job_name == Some(n.as_str()));
+            if user_ok && name_ok {
+                let cells = api.cells(s["id"].as_str().unwrap_or("")).await?;
+                chosen.push((s, cells));
+            }
+        }
+    } else {
+        for target in targets {
+            let refs = shoal_slurm::parse_job_refs(target)?;
+            let Some(first) = refs.first() else { continue };
+            let Some((sweep, own_index)) = resolve(api, first.job_id).await? else {
+                bail!(
+                    "scancel: error: Kill job error on job id {target}: Invalid job id specified"
+                );
+            };
+            let tasks: Vec<String> = refs
+                .iter()
+                .filter_map(|r| r.task_id.map(|t| t.to_string()))
+                .collect();
+            let cells = api
+                .cells(sweep["id"].as_str().unwrap_or(""))
+                .await?
+                .into_iter()
+                .filter(|c| {
+                    own_index.is_none_or(|i| c["index"].as_u64() == Some(i))
+                        && (tasks.is_empty()
+                            || tasks.iter().any(|t| c["value"].as_str() == Some(t)))
+                })
+                .collect();
+            chosen.push((sweep, cells));
+        }
+    }
+    let mut signalled = 0;
+    for (_, cells) in chosen {
+        for cell in cells {
+            let (Some("running"), Some(sandbox)) =
+                (cell["state"].as_str(), cell["sandbox_id"].as_str())
+            else {
+                continue;
+            };
+            api.call(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{sandbox}/exec"),
+                Some(&serde_json::json!({ "cmd": format!("kill -s {name} -1"), "timeout_seconds": 30 })),
+            )
+            .await
+            .with_context(|| format!("signalling task {} ({sandbox})", cell["job_id"]))?;
+            signalled += 1;
+        }
+    }
+    Ok(signalled)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -683,83 +762,4 @@ mod tests {
         assert_eq!(state("timeout", Value::Null), JobState::Timeout);
         assert_eq!(state("pending", Value::Null), JobState::Pending);
     }
-}
-
-/// `scancel --signal=SIG`: sends SIG to every process of each running task
-/// the ids (or, without ids, the filters) name, instead of cancelling. The
-/// signal goes through the sandbox's exec route (`kill -s SIG -1`: every
-/// process but the guest's init), so the task's batch shell gets it too,
-/// as with scancel's `--full`. Returns how many tasks were signalled.
-pub async fn signal_tasks(
-    api: &Api,
-    targets: &[String],
-    filter: &ScancelFilter,
-    signal: &str,
-) -> Result<usize> {
-    let (_, name) = shoal_slurm::signal_number(signal)?;
-    let mut chosen: Vec<(Value, Vec<Value>)> = Vec::new();
-    if targets.is_empty() {
-        for s in api.sweeps().await? {
-            if !is_queued(&s) {
-                continue;
-            }
-            let user_ok = filter
-                .user
-                .as_ref()
-                .is_none_or(|u| s["slurm"]["user"].as_str() == Some(u.as_str()));
-            let job_name = s["slurm"]["job_name"].as_str().or(s["name"].as_str());
-            let name_ok = filter
-                .name
-                .as_ref()
-                .is_none_or(|n| job_name == Some(n.as_str()));
-            if user_ok && name_ok {
-                let cells = api.cells(s["id"].as_str().unwrap_or("")).await?;
-                chosen.push((s, cells));
-            }
-        }
-    } else {
-        for target in targets {
-            let refs = shoal_slurm::parse_job_refs(target)?;
-            let Some(first) = refs.first() else { continue };
-            let Some((sweep, own_index)) = resolve(api, first.job_id).await? else {
-                bail!(
-                    "scancel: error: Kill job error on job id {target}: Invalid job id specified"
-                );
-            };
-            let tasks: Vec<String> = refs
-                .iter()
-                .filter_map(|r| r.task_id.map(|t| t.to_string()))
-                .collect();
-            let cells = api
-                .cells(sweep["id"].as_str().unwrap_or(""))
-                .await?
-                .into_iter()
-                .filter(|c| {
-                    own_index.is_none_or(|i| c["index"].as_u64() == Some(i))
-                        && (tasks.is_empty()
-                            || tasks.iter().any(|t| c["value"].as_str() == Some(t)))
-                })
-                .collect();
-            chosen.push((sweep, cells));
-        }
-    }
-    let mut signalled = 0;
-    for (_, cells) in chosen {
-        for cell in cells {
-            let (Some("running"), Some(sandbox)) =
-                (cell["state"].as_str(), cell["sandbox_id"].as_str())
-            else {
-                continue;
-            };
-            api.call(
-                reqwest::Method::POST,
-                &format!("/v1/sandboxes/{sandbox}/exec"),
-                Some(&serde_json::json!({ "cmd": format!("kill -s {name} -1"), "timeout_seconds": 30 })),
-            )
-            .await
-            .with_context(|| format!("signalling task {} ({sandbox})", cell["job_id"]))?;
-            signalled += 1;
-        }
-    }
-    Ok(signalled)
 }
