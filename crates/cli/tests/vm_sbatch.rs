@@ -788,3 +788,206 @@ fn lab_jobs_carry_their_data_on_postgres() {
         |url, state| async move { lab_jobs_carry_their_data(&url, state).await },
     );
 }
+
+/// The commands people type beyond submitting: MaxRSS and TotalCPU in
+/// sacct and seff, sinfo, scancel --signal, a warm-start array, and a
+/// failed task's kept sandbox entered with shoal debug (a command, and the
+/// WebSocket terminal it is built on).
+async fn the_commands_people_type(database_url: &str, state: PathBuf) {
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::create_dir_all(&state).unwrap();
+    let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+        .database_url(database_url)
+        .start()
+        .await;
+    let submit = state.join("submit");
+    std::fs::create_dir_all(&submit).unwrap();
+    let user = User {
+        dir: submit.clone(),
+        api: up.base().to_owned(),
+        token: up.token("ops"),
+    };
+
+    // MaxRSS and TotalCPU: the task's processes' peak and CPU time.
+    let (hungry, _) = user.sbatch(&[
+        "--cpus-per-task=1",
+        "--mem=512M",
+        "--wrap",
+        "dd if=/dev/zero of=/dev/null bs=96M count=4 2>/dev/null; \
+         dd if=/dev/zero of=/dev/null bs=1M count=20000 2>/dev/null",
+    ]);
+    // A task that traps USR1 for scancel --signal, and a failed one kept.
+    let (trapper, _) = user.sbatch(&[
+        "--output=trap.out",
+        "--wrap",
+        "trap 'echo got USR1; exit 0' USR1; echo ready; while true; do sleep 1; done",
+    ]);
+    let (broken, _) = user.sbatch(&[
+        "--keep-failed=10m",
+        "--wrap",
+        "echo half-done > state.txt; exit 3",
+    ]);
+    let rows = user.wait_states(hungry, 1, &["COMPLETED"], Duration::from_secs(300));
+    let usage = user.sacct(hungry, "JobID,MaxRSS,TotalCPU,CPUTime,AllocCPUS");
+    println!("sacct of a 96 MiB, CPU-bound task: {usage:?} {rows:?}");
+    let rss = &usage[1][1];
+    let scale = match rss.chars().last() {
+        Some('K') => 1.0,
+        Some('M') => 1024.0,
+        Some('G') => 1024.0 * 1024.0,
+        _ => 1.0 / 1024.0,
+    };
+    let number: f64 = rss.trim_end_matches(['K', 'M', 'G']).parse().unwrap();
+    let max_rss_kib = (number * scale) as u64;
+    assert!(
+        (96 << 10..200 << 10).contains(&max_rss_kib),
+        "MaxRSS {} for a 96 MiB buffer",
+        usage[1][1]
+    );
+    assert_ne!(usage[1][2], "", "TotalCPU is blank");
+    assert_eq!(usage[1][4], "1");
+    let seff = user.ok(&["seff", &hungry.to_string()]);
+    println!("{seff}");
+    assert!(seff.contains(&format!("Job ID: {hungry}")), "{seff}");
+    assert!(seff.contains("State: COMPLETED (exit code 0)"), "{seff}");
+    assert!(seff.contains("Memory Efficiency: ") && seff.contains("of 512.00 MB"), "{seff}");
+    assert!(seff.contains("Unused allocation:"), "{seff}");
+
+    // sinfo: the templates as partitions on this host.
+    let info = user.ok(&["sinfo"]);
+    println!("{info}");
+    assert!(info.starts_with("PARTITION"), "{info}");
+    assert!(
+        info.lines().any(|l| l.starts_with("base") && l.contains(" up ")),
+        "{info}"
+    );
+    let nodes = user.ok(&["sinfo", "-N", "-h"]);
+    assert!(!nodes.is_empty() && !nodes.contains("NODELIST"), "{nodes}");
+
+    // scancel --signal: the task traps it and ends on its own.
+    let lines = watch_lines(&submit.join("trap.out"), "ready", Duration::from_secs(300));
+    assert_eq!(lines[0].0, "ready");
+    user.ok(&["scancel", "--signal=USR1", &trapper.to_string()]);
+    user.wait_states(trapper, 1, &["COMPLETED"], Duration::from_secs(120));
+    assert_eq!(
+        wait_for_file(&submit.join("trap.out"), Duration::from_secs(30)),
+        "ready\ngot USR1\n"
+    );
+
+    // --keep-failed: the failed task's sandbox, hibernated, entered with a
+    // command in the task's directory.
+    user.wait_states(broken, 1, &["FAILED"], Duration::from_secs(180));
+    let out = user.shoal(&["debug", &broken.to_string(), "--", "cat", "state.txt"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "half-done\n");
+    // The terminal itself: a shell of the size asked, its exit code; and
+    // refusals (no token, a bad size).
+    let api = shoal_testkit::ApiClient::new(&user.api, &user.token);
+    let cells = api
+        .ok(reqwest::Method::GET, &format!("/v1/sweeps/{broken}/cells"), None)
+        .await;
+    let sandbox = cells["cells"][0]["sandbox_id"].as_str().unwrap().to_owned();
+    let ws = user.api.replacen("http://", "ws://", 1);
+    let url = format!("{ws}/v1/sandboxes/{sandbox}/exec/pty?rows=30&cols=100");
+    use futures::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::{client::IntoClientRequest as _, Message};
+    let mut request = url.clone().into_client_request().unwrap();
+    request.headers_mut().insert(
+        "authorization",
+        format!("Bearer {}", user.token).parse().unwrap(),
+    );
+    let (mut socket, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+    socket
+        .send(Message::Binary(b"stty size; cat state.txt; exit 7\n".to_vec().into()))
+        .await
+        .unwrap();
+    let mut screen = Vec::new();
+    let mut exit = None;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while exit.is_none() && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_secs(60), socket.next()).await {
+            Ok(Some(Ok(Message::Binary(bytes)))) => screen.extend_from_slice(&bytes),
+            Ok(Some(Ok(Message::Text(text)))) => {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                exit = Some(v["exit"].as_i64().unwrap_or_else(|| panic!("{text}")));
+            }
+            Ok(Some(Ok(_))) => {}
+            other => panic!("the terminal ended early: {other:?}"),
+        }
+    }
+    let screen = String::from_utf8_lossy(&screen);
+    println!("terminal: {screen:?}");
+    assert_eq!(exit, Some(7));
+    assert!(screen.contains("30 100"), "{screen}");
+    assert!(screen.contains("half-done"), "{screen}");
+    let refused = tokio_tungstenite::connect_async(url.as_str()).await;
+    assert!(refused.is_err(), "a terminal without a token");
+    let mut bad = format!("{ws}/v1/sandboxes/{sandbox}/exec/pty?rows=0")
+        .into_client_request()
+        .unwrap();
+    bad.headers_mut().insert(
+        "authorization",
+        format!("Bearer {}", user.token).parse().unwrap(),
+    );
+    assert!(tokio_tungstenite::connect_async(bad).await.is_err());
+    let mut theirs = url.into_client_request().unwrap();
+    theirs.headers_mut().insert(
+        "authorization",
+        format!("Bearer {}", up.token("stranger")).parse().unwrap(),
+    );
+    assert!(
+        tokio_tungstenite::connect_async(theirs).await.is_err(),
+        "another account's terminal"
+    );
+
+    // Warm start: a 20 s prelude once, six 1 s tasks two at a time.
+    user.write(
+        "warm.sh",
+        "#!/bin/bash\n#SBATCH --array=1-6%2\n#SBATCH --output=warm_%a.out\n\
+         #SHOAL --prelude\nsleep 20\necho loaded > /tmp/model\n#SHOAL --end-prelude\n\
+         cat /tmp/model\nsleep 1\n",
+    );
+    let started = Instant::now();
+    let (warm, _) = user.sbatch(&["warm.sh"]);
+    let rows = user.wait_states(warm, 6, &["COMPLETED"], Duration::from_secs(300));
+    let took = started.elapsed().as_secs_f64();
+    println!("warm start: 6 tasks of 1 s, 2 at a time, after a 20 s prelude: {took:.1} s (cold: about 66 s)\n{rows:?}");
+    for (i, row) in rows[1..].iter().enumerate() {
+        assert!(seconds(&row[4]) < 15, "task {i} ran the prelude itself: {row:?}");
+    }
+    for task in 1..=6 {
+        assert_eq!(
+            wait_for_file(&submit.join(format!("warm_{task}.out")), Duration::from_secs(60)),
+            "loaded\n"
+        );
+    }
+    assert!(took < 55.0, "the warm array took {took:.1} s");
+    let seff = user.ok(&["seff", &warm.to_string()]);
+    assert!(seff.contains("Warm start: the 2"), "{seff}");
+    println!("{seff}");
+
+    drop(up);
+    let _ = std::fs::remove_dir_all(&state);
+}
+
+#[test]
+fn the_commands_people_type_on_sqlite() {
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_sbatch_commands_sqlite",
+        |url, state| async move { the_commands_people_type(&url, state).await },
+    );
+}
+
+#[test]
+fn the_commands_people_type_on_postgres() {
+    shoal_testkit::with_database(
+        Database::Postgres,
+        "vm_sbatch_commands_pg",
+        |url, state| async move { the_commands_people_type(&url, state).await },
+    );
+}

@@ -19,8 +19,9 @@ use super::api::Api;
 use super::config::Config;
 use super::views::resolve;
 
-/// The kept sandbox of task `target` (`ID_TASK`, or a task's own id).
-async fn kept_sandbox(api: &Api, target: &str) -> Result<String> {
+/// The kept sandbox of task `target` (`ID_TASK`, or a task's own id), and
+/// the job's working directory.
+async fn kept_sandbox(api: &Api, target: &str) -> Result<(String, Option<String>)> {
     let job = shoal_slurm::parse_job_ref(target)?;
     let Some((sweep, index)) = resolve(api, job.job_id).await? else {
         bail!("Invalid job id specified: {target}");
@@ -40,7 +41,10 @@ async fn kept_sandbox(api: &Api, target: &str) -> Result<String> {
         .as_str()
         .is_some_and(|e| e.contains("kept, hibernated"));
     match (state, kept, cell["sandbox_id"].as_str()) {
-        ("failed" | "timeout", true, Some(sandbox)) => Ok(sandbox.to_owned()),
+        ("failed" | "timeout", true, Some(sandbox)) => Ok((
+            sandbox.to_owned(),
+            sweep["slurm"]["work_dir"].as_str().map(str::to_owned),
+        )),
         ("running", _, _) => bail!("task {target} is still running"),
         _ => bail!(
             "task {target} ({state}) has no kept sandbox: submit with --keep-failed (or #SHOAL \
@@ -183,15 +187,20 @@ async fn terminal(config: &Config, sandbox: &str) -> Result<i32> {
 pub async fn debug(target: &str, command: &[String]) -> Result<i32> {
     let config = Config::load()?;
     let api = Api::new(&config)?;
-    let sandbox = kept_sandbox(&api, target).await?;
+    let (sandbox, work_dir) = kept_sandbox(&api, target).await?;
     if command.is_empty() {
         return terminal(&config, &sandbox).await;
     }
+    // In the task's working directory, as the task was.
     let answer = api
         .call(
             reqwest::Method::POST,
             &format!("/v1/sandboxes/{sandbox}/exec"),
-            Some(&serde_json::json!({ "cmd": command.join(" "), "timeout_seconds": 600 })),
+            Some(&serde_json::json!({
+                "cmd": command.join(" "),
+                "cwd": work_dir,
+                "timeout_seconds": 600,
+            })),
         )
         .await?;
     print!("{}", answer["stdout"].as_str().unwrap_or(""));
