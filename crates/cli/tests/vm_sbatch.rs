@@ -850,7 +850,10 @@ async fn the_commands_people_type(database_url: &str, state: PathBuf) {
     println!("{seff}");
     assert!(seff.contains(&format!("Job ID: {hungry}")), "{seff}");
     assert!(seff.contains("State: COMPLETED (exit code 0)"), "{seff}");
-    assert!(seff.contains("Memory Efficiency: ") && seff.contains("of 512.00 MB"), "{seff}");
+    assert!(
+        seff.contains("Memory Efficiency: ") && seff.contains("of 512.00 MB"),
+        "{seff}"
+    );
     assert!(seff.contains("Unused allocation:"), "{seff}");
 
     // sinfo: the templates as partitions on this host.
@@ -858,7 +861,8 @@ async fn the_commands_people_type(database_url: &str, state: PathBuf) {
     println!("{info}");
     assert!(info.starts_with("PARTITION"), "{info}");
     assert!(
-        info.lines().any(|l| l.starts_with("base") && l.contains(" up ")),
+        info.lines()
+            .any(|l| l.starts_with("base") && l.contains(" up ")),
         "{info}"
     );
     let nodes = user.ok(&["sinfo", "-N", "-h"]);
@@ -888,7 +892,11 @@ async fn the_commands_people_type(database_url: &str, state: PathBuf) {
     // refusals (no token, a bad size).
     let api = shoal_testkit::ApiClient::new(&user.api, &user.token);
     let cells = api
-        .ok(reqwest::Method::GET, &format!("/v1/sweeps/{broken}/cells"), None)
+        .ok(
+            reqwest::Method::GET,
+            &format!("/v1/sweeps/{broken}/cells"),
+            None,
+        )
         .await;
     let sandbox = cells["cells"][0]["sandbox_id"].as_str().unwrap().to_owned();
     let ws = user.api.replacen("http://", "ws://", 1);
@@ -902,7 +910,9 @@ async fn the_commands_people_type(database_url: &str, state: PathBuf) {
     );
     let (mut socket, _) = tokio_tungstenite::connect_async(request).await.unwrap();
     socket
-        .send(Message::Binary(b"stty size; cat state.txt; exit 7\n".to_vec().into()))
+        .send(Message::Binary(
+            b"stty size; cat state.txt; exit 7\n".to_vec().into(),
+        ))
         .await
         .unwrap();
     let mut screen = Vec::new();
@@ -957,11 +967,17 @@ async fn the_commands_people_type(database_url: &str, state: PathBuf) {
     let took = started.elapsed().as_secs_f64();
     println!("warm start: 6 tasks of 1 s, 2 at a time, after a 20 s prelude: {took:.1} s (cold: about 66 s)\n{rows:?}");
     for (i, row) in rows[1..].iter().enumerate() {
-        assert!(seconds(&row[4]) < 15, "task {i} ran the prelude itself: {row:?}");
+        assert!(
+            seconds(&row[4]) < 15,
+            "task {i} ran the prelude itself: {row:?}"
+        );
     }
     for task in 1..=6 {
         assert_eq!(
-            wait_for_file(&submit.join(format!("warm_{task}.out")), Duration::from_secs(60)),
+            wait_for_file(
+                &submit.join(format!("warm_{task}.out")),
+                Duration::from_secs(60)
+            ),
             "loaded\n"
         );
     }

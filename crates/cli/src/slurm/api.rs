@@ -35,6 +35,11 @@ impl Api {
         })
     }
 
+    /// The API's address.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     /// A request to `path` carrying the caller's token.
     pub(crate) fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.http

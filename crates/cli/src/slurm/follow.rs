@@ -73,6 +73,10 @@ struct Written {
 /// grows and its result files when it finishes. `loud`: say on stderr
 /// what went wrong with a file.
 pub async fn follow(api: &Api, id: &str, loud: bool) -> Result<Outcome> {
+    // One live follower per job on this machine: two would both add each
+    // line. A second one (`shoal sync --follow` beside sbatch's) waits for
+    // the first, then writes everything once more, whole.
+    let _lock = lock_job(api, id).await?;
     let mut written = BTreeMap::new();
     let mut last_ok = Instant::now();
     loop {
@@ -161,6 +165,35 @@ async fn pass(
         }
     }
     Ok(over.then_some(outcome))
+}
+
+/// Held while a follower writes a job's files.
+struct JobLock(#[allow(dead_code)] std::fs::File);
+
+/// Takes this machine's lock of job `id` of the API, waiting for another
+/// follower that holds it.
+async fn lock_job(api: &Api, id: &str) -> Result<JobLock> {
+    use sha2::Digest as _;
+    let api_key = hex::encode(&sha2::Sha256::digest(api.base().as_bytes())[..6]);
+    // SAFETY: getuid has no failure mode.
+    let uid = unsafe { libc::getuid() };
+    let path = std::env::temp_dir().join(format!("shoal-follow-{uid}-{api_key}-{id}.lock"));
+    tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd as _;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: flock on an fd this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("locking {}", path.display()));
+        }
+        Ok(JobLock(file))
+    })
+    .await?
 }
 
 /// `shoal sync`: writes the files of every finished task of the jobs,
