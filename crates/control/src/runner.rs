@@ -713,6 +713,12 @@ async fn run_attempt(
                                 + stop.kill_grace.unwrap_or_default()
                                 + HOST_TIMEOUT_MARGIN;
                             let mut spool_tick = tokio::time::interval(job_data::SPOOL_EVERY);
+                            // A Slurm job's task says when its time limit
+                            // struck, where slurmstepd says it: in its
+                            // output, before the task's own answer to SIGTERM.
+                            let job_id = sweep.job_id + u64::from(claim.idx);
+                            let limit_at = tokio::time::Instant::now() + timeout;
+                            let mut limit_told = sweep.slurm.is_none();
                             let ran = loop {
                                 tokio::select! {
                                     event = handle.next_event() => match event {
@@ -733,20 +739,46 @@ async fn run_attempt(
                                     },
                                     // A follower sees the output grow (issue 22).
                                     _ = spool_tick.tick() => spool.write(&cp.store, claim).await,
+                                    _ = tokio::time::sleep_until(limit_at), if !limit_told => {
+                                        limit_told = true;
+                                        let line = stepd_cancelled(job_id, &sandbox, " DUE TO TIME LIMIT");
+                                        spool.push("stderr", line.as_bytes());
+                                        spool.write(&cp.store, claim).await;
+                                    }
                                     // Also sees what a renewal found during the start.
                                     _ = renewal.changed() => match *renewal.borrow_and_update() {
                                         Renewal::Renewed => {}
-                                        Renewal::Cancelled => break Ran::Cancelled,
+                                        Renewal::Cancelled => {
+                                            if sweep.slurm.is_some() {
+                                                spool.push("stderr", stepd_cancelled(job_id, &sandbox, "").as_bytes());
+                                            }
+                                            break Ran::Cancelled;
+                                        }
                                         Renewal::Lost => break Ran::Lost,
                                     },
                                     changed = cancel.changed() => {
                                         if changed.is_ok() && *cancel.borrow() {
+                                            if sweep.slurm.is_some() {
+                                                spool.push("stderr", stepd_cancelled(job_id, &sandbox, "").as_bytes());
+                                            }
                                             break Ran::Cancelled;
                                         }
                                     }
                                     _ = tokio::time::sleep_until(deadline) => break Ran::HostTimeout,
                                 }
                             };
+                            // The guest's out-of-memory kills, as slurmstepd
+                            // reports a step's.
+                            if let (Ran::Exited(status), Some(_)) = (&ran, &sweep.slurm) {
+                                let kills = status.usage.map_or(0, |u| u.oom_kills);
+                                if kills > 0 {
+                                    let line = format!(
+                                        "slurmstepd: error: Detected {kills} oom-kill event(s) in StepId={job_id}.batch. \
+                                         Some of your processes may have been killed by the cgroup out-of-memory handler.\n"
+                                    );
+                                    spool.push("stderr", line.as_bytes());
+                                }
+                            }
                             spool.write(&cp.store, claim).await;
                             ran
                         }
@@ -848,6 +880,7 @@ async fn run_attempt(
             outcome.signal = status.signal;
             outcome.max_rss_kib = status.usage.map(|u| u.max_rss_kib);
             outcome.task_cpu_ms = status.usage.map(|u| u.cpu_ms);
+            let oom_killed = status.usage.is_some_and(|u| u.oom_kills > 0);
             if status.timed_out {
                 outcome.end = CellEnd::Timeout;
                 outcome.error = Some(format!("timeout after {}s", sweep.timeout_seconds));
@@ -862,6 +895,12 @@ async fn run_attempt(
                 } else {
                     CellEnd::Failed
                 };
+                // A process the guest killed for memory makes a Slurm
+                // task OUT_OF_MEMORY, whatever the script did after.
+                if oom_killed && sweep.slurm.is_some() {
+                    outcome.end = CellEnd::Failed;
+                    outcome.error = Some(shoal_host::OUT_OF_MEMORY.to_owned());
+                }
             }
         }
         Ran::HostTimeout => {
@@ -991,6 +1030,15 @@ impl Drop for SandboxGuard {
             });
         }
     }
+}
+
+/// slurmstepd's line for a task stopped at its time limit (`why`: " DUE TO
+/// TIME LIMIT") or cancelled (`why` empty), at the local time now.
+fn stepd_cancelled(job_id: u64, node: &str, why: &str) -> String {
+    format!(
+        "slurmstepd: error: *** JOB {job_id} ON {node} CANCELLED AT {}{why} ***\n",
+        chrono::Local::now().format("%Y-%m-%dT%H:%M:%S")
+    )
 }
 
 /// `--keep-failed[=TIME]`: how long a failed task's sandbox is kept, from

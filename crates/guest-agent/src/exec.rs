@@ -73,6 +73,7 @@ pub fn run(
     stdin_rx: Receiver<StdinChunk>,
 ) {
     let started = Instant::now();
+    let oom_kills_before = oom_kills();
     let child = crate::image::apply(&mut spec).and_then(|()| start(agent, &spec, &control));
     match child {
         Err(err) => agent
@@ -99,7 +100,7 @@ pub fn run(
                 }
             }
             let stop = Stop::new(started, &spec);
-            let ended = pump(
+            let mut ended = pump(
                 agent,
                 id,
                 &control,
@@ -108,6 +109,7 @@ pub fn run(
                 &child.waker,
                 stop,
             );
+            ended.usage.oom_kills = oom_kills().saturating_sub(oom_kills_before);
             agent.outbox.send_on(
                 &control.stream,
                 Frame::new(id, exit_msg(ended, started.elapsed())),
@@ -149,6 +151,19 @@ struct Ended {
     status: i32,
     usage: shoal_proto::ProcessUsage,
     timed_out: bool,
+}
+
+/// Processes the kernel's out-of-memory killer has killed since boot
+/// (`/proc/vmstat`'s `oom_kill`); 0 where the kernel does not say.
+fn oom_kills() -> u64 {
+    std::fs::read_to_string("/proc/vmstat")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|n| n.trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 fn exit_msg(ended: Ended, elapsed: Duration) -> GuestMsg {

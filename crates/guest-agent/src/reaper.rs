@@ -125,6 +125,7 @@ fn usage_of(r: &libc::rusage) -> ProcessUsage {
     ProcessUsage {
         max_rss_kib: u64::try_from(r.ru_maxrss).unwrap_or(0),
         cpu_ms: ms(r.ru_utime) + ms(r.ru_stime),
+        oom_kills: 0,
     }
 }
 

@@ -292,12 +292,17 @@ pub struct FileStat {
 }
 
 /// Resources an exec's process used, from `wait4`'s rusage: the largest
-/// resident size of it or of any child it waited for, and their CPU time.
+/// resident size of it or of any child it waited for, and their CPU time;
+/// and the guest's out-of-memory kills meanwhile.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessUsage {
     pub max_rss_kib: u64,
     /// User plus system time.
     pub cpu_ms: u64,
+    /// Processes the guest's out-of-memory killer killed while it ran
+    /// (Slurm's "oom-kill events" that make a step OUT_OF_MEMORY).
+    #[serde(default)]
+    pub oom_kills: u64,
 }
 
 /// The JSON part of a frame.

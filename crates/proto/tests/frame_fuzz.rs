@@ -114,7 +114,8 @@ fn guest_msg() -> impl Strategy<Value = GuestMsg> {
                 duration_ms: ms,
                 usage: usage.map(|(max_rss_kib, cpu_ms)| shoal_proto::ProcessUsage {
                     max_rss_kib,
-                    cpu_ms
+                    cpu_ms,
+                    oom_kills: cpu_ms % 3,
                 }),
             }),
         ".{0,40}".prop_map(|message| GuestMsg::Error {

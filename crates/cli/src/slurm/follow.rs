@@ -381,7 +381,9 @@ fn finish_locally(
         files.add("stderr", cell["stderr"].as_str().unwrap_or("").as_bytes())?;
     }
     let state = cell["state"].as_str().unwrap_or("");
-    if state == "timeout" || state == "cancelled" {
+    // A server that spools output writes slurmstepd's lines in it, when
+    // they happen; for one that did not, they end the task's file.
+    if task.epoch.is_none() && (state == "timeout" || state == "cancelled") {
         let due = if state == "timeout" {
             " DUE TO TIME LIMIT"
         } else {
@@ -545,8 +547,8 @@ mod tests {
                 format!("{}/sibling.txt", dir.path().display()): {"blob": "cd", "size": 1},
                 "/etc/shadow": {"blob": "ef", "size": 1}}});
         let files = task_files(&sweep, &cell).unwrap();
-        // Followed live: the file holds what was printed, and only the
-        // slurmstepd line is added.
+        // Followed live: the file holds what was printed (the server spooled
+        // slurmstepd's line where it happened), nothing is added.
         files.start().unwrap();
         files.add("stdout", b"live 1\n").unwrap();
         let followed = Written {
@@ -556,9 +558,13 @@ mod tests {
         };
         let fetch = finish_locally(&cell, &files, &followed).unwrap();
         let out = std::fs::read_to_string(work.join("slurm-7.out")).unwrap();
+        assert_eq!(out, "live 1\n");
+        // Not followed (an older server): the tail, then slurmstepd's line.
+        finish_locally(&cell, &files, &Written::default()).unwrap();
+        let out = std::fs::read_to_string(work.join("slurm-7.out")).unwrap();
         assert_eq!(
             out,
-            "live 1\nslurmstepd: error: *** JOB 7 ON sb_9 CANCELLED AT 2026-12-07T01:02:03 \
+            "tail only\nslurmstepd: error: *** JOB 7 ON sb_9 CANCELLED AT 2026-12-07T01:02:03 \
              DUE TO TIME LIMIT ***\n"
         );
         let targets: Vec<(String, PathBuf)> =

@@ -93,8 +93,17 @@ pub fn records(sweep: &Value, cells: &[Value], vcpus: &BTreeMap<String, u32>) ->
                 partition: text("partition").unwrap_or_else(|| template.clone()),
                 account: text("account"),
                 state,
-                exit_code: cell["exit_code"].as_i64().unwrap_or(0) as i32,
-                signal: cell["signal"].as_i64().unwrap_or(0) as i32,
+                // Slurm's OUT_OF_MEMORY is `0:125`, whatever the script's code.
+                exit_code: if state == JobState::OutOfMemory {
+                    0
+                } else {
+                    cell["exit_code"].as_i64().unwrap_or(0) as i32
+                },
+                signal: if state == JobState::OutOfMemory {
+                    125
+                } else {
+                    cell["signal"].as_i64().unwrap_or(0) as i32
+                },
                 elapsed: Duration::from_secs(elapsed as u64),
                 alloc_cpus,
                 req_mem_mib: slurm["mem_mib"].as_u64(),
