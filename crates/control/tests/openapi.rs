@@ -34,7 +34,11 @@ async fn the_document_and_the_router_agree() {
             .replace("{session_id}", "ctx-0")
             .replace("{index}", "0")
             .replace("{port}", "8000")
-            .replace("{path}", "index.html");
+            .replace("{path}", "index.html")
+            .replace(
+                "{digest}",
+                "0000000000000000000000000000000000000000000000000000000000000000",
+            );
         for method in METHODS {
             let documented = ops.get(method.to_lowercase()).is_some();
             let request = Request::builder()
