@@ -386,6 +386,8 @@ pub struct PtyQuery {
     cols: Option<u16>,
     /// The command; a login shell when absent.
     cmd: Option<String>,
+    /// Its working directory (absolute).
+    cwd: Option<String>,
 }
 
 /// A control message from a terminal client (a text frame).
@@ -408,7 +410,7 @@ fn pty_size(rows: Option<u16>, cols: Option<u16>) -> ApiResult<shoal_proto::PtyS
     })
 }
 
-/// `GET /v1/sandboxes/{id}/exec/pty?rows=&cols=&cmd=`: an interactive
+/// `GET /v1/sandboxes/{id}/exec/pty?rows=&cols=&cmd=&cwd=`: an interactive
 /// terminal over a WebSocket, PandaStack's protocol: binary frames are raw
 /// bytes both ways; a client's text frame is `{"resize": {"rows", "cols"}}`
 /// or `{"stdin": "..."}`; the server ends with the text frame `{"exit":
@@ -422,6 +424,11 @@ pub async fn pty(
     upgrade: axum::extract::ws::WebSocketUpgrade,
 ) -> ApiResult<Response> {
     let size = pty_size(query.rows, query.cols)?;
+    if let Some(cwd) = query.cwd.as_deref().filter(|c| !c.starts_with('/')) {
+        return Err(ApiError::bad_request(format!(
+            "cwd must be absolute: {cwd:?}"
+        )));
+    }
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
     let activity = Activity::start(&cp, &id).await?;
@@ -429,6 +436,7 @@ pub async fn pty(
         "if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi".into()
     });
     let mut request = ExecRequest::new(cmd).env("TERM", "xterm-256color");
+    request.cwd = query.cwd;
     request.pty = Some(size);
     request.stdin = true;
     let handle = agent.exec(request).await?;

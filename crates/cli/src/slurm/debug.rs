@@ -118,8 +118,9 @@ fn tls_connector(config: &Config) -> Result<Option<tokio_tungstenite::Connector>
     )))
 }
 
-/// An interactive shell in `sandbox` until it exits; its exit code.
-async fn terminal(config: &Config, sandbox: &str) -> Result<i32> {
+/// An interactive shell in `sandbox` (in `cwd`) until it exits; its exit
+/// code.
+async fn terminal(config: &Config, sandbox: &str, cwd: Option<&str>) -> Result<i32> {
     let (rows, cols) = terminal_size();
     let base = config.base_url()?;
     let ws_base = if let Some(rest) = base.strip_prefix("https://") {
@@ -129,8 +130,12 @@ async fn terminal(config: &Config, sandbox: &str) -> Result<i32> {
     } else {
         bail!("the API address {base} is not http:// or https://");
     };
-    let mut request = format!("{ws_base}/v1/sandboxes/{sandbox}/exec/pty?rows={rows}&cols={cols}")
-        .into_client_request()?;
+    let mut url = format!("{ws_base}/v1/sandboxes/{sandbox}/exec/pty?rows={rows}&cols={cols}");
+    if let Some(dir) = cwd {
+        url.push_str("&cwd=");
+        url.push_str(&url::form_urlencoded::byte_serialize(dir.as_bytes()).collect::<String>());
+    }
+    let mut request = url.into_client_request()?;
     request.headers_mut().insert(
         "authorization",
         format!("Bearer {}", config.token()?).parse()?,
@@ -189,7 +194,7 @@ pub async fn debug(target: &str, command: &[String]) -> Result<i32> {
     let api = Api::new(&config)?;
     let (sandbox, work_dir) = kept_sandbox(&api, target).await?;
     if command.is_empty() {
-        return terminal(&config, &sandbox).await;
+        return terminal(&config, &sandbox, work_dir.as_deref()).await;
     }
     // In the task's working directory, as the task was.
     let answer = api

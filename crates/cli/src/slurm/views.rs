@@ -61,6 +61,11 @@ pub fn records(sweep: &Value, cells: &[Value], vcpus: &BTreeMap<String, u32>) ->
             let start = unix(&cell["started_at"]);
             let end = unix(&cell["finished_at"]);
             let elapsed = match (start, end, state) {
+                // The script's own run time when the runner measured it
+                // (not the wait for a sandbox or a warm-start prelude).
+                (Some(_), Some(_), _) if cell["elapsed_ms"].is_u64() => {
+                    (cell["elapsed_ms"].as_u64().unwrap_or(0) as i64 + 500) / 1000
+                }
                 (Some(s), Some(e), _) => (e - s).max(0),
                 (Some(s), None, JobState::Running) => (now() - s).max(0),
                 _ => 0,
@@ -683,7 +688,7 @@ pub async fn signal_tasks(
             api.call(
                 reqwest::Method::POST,
                 &format!("/v1/sandboxes/{sandbox}/exec"),
-                Some(&serde_json::json!({ "cmd": format!("kill -s {name} -1"), "timeout_seconds": 30 })),
+                Some(&serde_json::json!({ "cmd": format!("kill -s {name} -- -1"), "timeout_seconds": 30 })),
             )
             .await
             .with_context(|| format!("signalling task {} ({sandbox})", cell["job_id"]))?;
