@@ -436,7 +436,7 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
     if let Some(info) = cp.runner.sweeps.lock().unwrap().get(sweep_id) {
         return Ok(info.clone());
     }
-    let row = cp
+    let mut row = cp
         .store
         .sweep_by_id(sweep_id)
         .await
@@ -448,6 +448,7 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
         .await
         .map_err(|e| format!("reading the account: {e}"))?
         .ok_or("the sweep's account is gone")?;
+    inherit_dependency_results(cp, &mut row).await?;
     let resolved = cp
         .template_source(&account, &row.template)
         .await
@@ -510,6 +511,57 @@ async fn sweep_info(cp: &ControlPlane, sweep_id: &str) -> Result<Arc<SweepInfo>,
         .unwrap()
         .insert(sweep_id.to_owned(), info.clone());
     Ok(info)
+}
+
+/// A sweep that waited for others (`after_ok`) sees what they left under
+/// its result directories, as a job after another sees its files on a
+/// shared filesystem: their cells' result blobs join its inputs (a later
+/// cell's file over an earlier one's, any over the submit-time copy).
+async fn inherit_dependency_results(cp: &ControlPlane, row: &mut SweepRow) -> Result<(), String> {
+    let Some(data) = row.data_path.as_mut() else {
+        return Ok(());
+    };
+    if row.after_ok.is_empty() || data.results_under.is_empty() {
+        return Ok(());
+    }
+    let under = |path: &str| {
+        data.results_under
+            .iter()
+            .any(|dir| Path::new(path).starts_with(dir))
+    };
+    let mut inherited: BTreeMap<String, shoal_store::InputFile> = BTreeMap::new();
+    for dep in &row.after_ok {
+        let cells = cp
+            .store
+            .list_cells(row.account_id, dep, &shoal_store::CellFilter::default())
+            .await
+            .map_err(|e| format!("reading the results of {dep}: {e}"))?;
+        for cell in cells {
+            let Some(Value::Object(files)) = cell.collected else {
+                continue;
+            };
+            for (path, kept) in files {
+                let (Some(digest), Some(size)) = (kept["blob"].as_str(), kept["size"].as_u64())
+                else {
+                    continue;
+                };
+                if under(&path) {
+                    inherited.insert(
+                        path.clone(),
+                        shoal_store::InputFile {
+                            path,
+                            digest: digest.to_owned(),
+                            size,
+                            mode: 0o644,
+                        },
+                    );
+                }
+            }
+        }
+    }
+    data.inputs.retain(|i| !inherited.contains_key(&i.path));
+    data.inputs.extend(inherited.into_values());
+    Ok(())
 }
 
 /// One attempt at a claimed cell, start to end. Never returns early without
