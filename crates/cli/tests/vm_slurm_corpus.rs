@@ -92,6 +92,7 @@ async fn corpus(database_url: &str, state: PathBuf) {
     }
     let group = Group(slurm.id());
 
+    std::fs::create_dir_all(state.join("shoal-state")).unwrap();
     let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), state.join("shoal-state"))
         .database_url(database_url)
         .start()

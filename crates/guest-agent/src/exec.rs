@@ -607,9 +607,13 @@ impl Stop {
         if !self.timed_out && self.deadline.is_some_and(|d| now >= d) {
             self.timed_out = true;
             match self.grace {
+                // As Slurm stops a batch step: SIGTERM to the shell alone
+                // (its trap runs; the commands it runs are not cut short),
+                // SIGKILL to everything when the grace ends.
                 Some(grace) => {
                     signal_group(pid, libc::SIGCONT);
-                    signal_group(pid, libc::SIGTERM);
+                    // SAFETY: kill has no memory effects; pid is the shell.
+                    unsafe { libc::kill(pid, libc::SIGTERM) };
                     self.kill_at = Some(now + grace);
                 }
                 None => signal_group(pid, libc::SIGKILL),
@@ -662,6 +666,11 @@ fn pump(
             stop.act(pid);
         }
         let timed_out = stop.timed_out;
+        // A shell that ended after its time limit takes what it left
+        // running with it, as Slurm ends a step whose script returned.
+        if status.is_some() && stop.kill_at.take().is_some() {
+            signal_group(pid, libc::SIGKILL);
+        }
         let any_open = outputs.iter().any(|o| o.open);
         if let (Some((status, usage)), false) = (status, any_open) {
             return Ended {

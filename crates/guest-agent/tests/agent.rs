@@ -247,6 +247,31 @@ async fn a_timeout_with_a_grace_warns_then_terms_then_kills() {
         (Duration::from_millis(1400)..Duration::from_secs(5)).contains(&took),
         "{took:?}"
     );
+
+    // SIGTERM goes to the shell alone (a child that traps it hears
+    // nothing); what the shell leaves running goes with it.
+    let out = client
+        .exec_collect(ExecRequest {
+            timeout: Some(Duration::from_millis(500)),
+            kill_grace: Some(Duration::from_secs(10)),
+            ..ExecRequest::new(
+                "trap 'echo shell got TERM; exit 0' TERM; \
+                 sh -c 'trap \"echo child got TERM\" TERM; while true; do sleep 0.1; done' & \
+                 while true; do sleep 0.1; done",
+            )
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "shell got TERM\n",
+        "{out:?}"
+    );
+    assert!(
+        out.status.timed_out && out.status.code == Some(0),
+        "{:?}",
+        out.status
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
