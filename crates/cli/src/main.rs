@@ -7,6 +7,7 @@
 mod bench;
 mod bench_exec;
 mod bench_fleet;
+mod bench_slurm;
 mod bench_sweep;
 mod bench_template;
 mod fleet;
@@ -237,6 +238,9 @@ enum BenchCommand {
     /// A Dockerfile equal to code-interpreter built, rebuilt unchanged (the
     /// cache) and created from, against code-interpreter (issue 21).
     Template(bench_template::TemplateBenchArgs),
+    /// Slurm bridge: live output's lag and a warm-start array against a
+    /// cold one (issue 22).
+    Slurm(bench_slurm::SlurmBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -495,6 +499,12 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             command: BenchCommand::Template(args),
         } => {
             bench_template::template(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            command: BenchCommand::Slurm(args),
+        } => {
+            bench_slurm::slurm(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
     }

@@ -897,7 +897,11 @@ async fn run_attempt(
     // hibernated, when the job asked (`--keep-failed`).
     let phase = Instant::now();
     let failed_task = match &ran {
-        Ran::Exited(status) => status.timed_out || !status.success(),
+        Ran::Exited(status) => {
+            status.timed_out
+                || !status.success()
+                || (sweep.slurm.is_some() && status.usage.is_some_and(|u| u.oom_kills > 0))
+        }
         Ran::HostTimeout => true,
         _ => false,
     };
