@@ -90,6 +90,14 @@ pub async fn write_input(
     Ok(())
 }
 
+/// The guest's answer for a path that is not there (or not a directory).
+pub fn is_missing(e: &AgentError) -> bool {
+    matches!(
+        e.guest_kind(),
+        Some(ErrorKind::NotFound | ErrorKind::NotADirectory)
+    )
+}
+
 /// Size and modification time of every regular file under `dirs`.
 pub type TreeState = BTreeMap<String, (u64, i64)>;
 
@@ -103,14 +111,7 @@ pub async fn tree_state(agent: &AgentClient, dirs: &[String]) -> (TreeState, Opt
     while let Some((dir, depth)) = pending.pop() {
         let entries = match agent.list_dir(&dir).await {
             Ok(entries) => entries,
-            Err(e)
-                if matches!(
-                    e.guest_kind(),
-                    Some(ErrorKind::NotFound | ErrorKind::NotADirectory)
-                ) =>
-            {
-                continue
-            }
+            Err(e) if is_missing(&e) => continue,
             Err(e) => {
                 note = Some(format!("listing {dir}: {e}"));
                 continue;

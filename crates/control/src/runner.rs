@@ -1695,14 +1695,7 @@ async fn expand(agent: &AgentClient, pattern: &str) -> Result<Vec<(String, u64)>
             let matcher = glob::Pattern::new(component).map_err(|e| e.to_string())?;
             let listing = match agent.list_dir(if dir.is_empty() { "/" } else { dir }).await {
                 Ok(entries) => entries,
-                Err(e)
-                    if matches!(
-                        e.guest_kind(),
-                        Some(ErrorKind::NotFound | ErrorKind::NotADirectory)
-                    ) =>
-                {
-                    continue
-                }
+                Err(e) if job_data::is_missing(&e) => continue,
                 Err(e) => return Err(e.to_string()),
             };
             for entry in listing {

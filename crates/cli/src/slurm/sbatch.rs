@@ -109,39 +109,37 @@ pub fn split_args(args: &[String]) -> Invocation {
             inv.test_only = true;
             continue;
         }
-        if let Some(cmd) = a.strip_prefix("--wrap=") {
-            inv.wrap = Some(cmd.to_owned());
+        // sbatch's and Shoal's own options that take a value, as `--opt=V`
+        // or `--opt V`.
+        let mut value_of = |name: &str| -> Option<String> {
+            if let Some(v) = a.strip_prefix(&format!("--{name}=")) {
+                return Some(v.to_owned());
+            }
+            if a == &format!("--{name}") {
+                i += 1;
+                return Some(args.get(i - 1).cloned().unwrap_or_default());
+            }
+            None
+        };
+        if let Some(cmd) = value_of("wrap") {
+            inv.wrap = Some(cmd);
             continue;
         }
-        if a == "--wrap" {
-            inv.wrap = args.get(i).cloned();
-            i += 1;
+        if let Some(path) = value_of("prelude") {
+            inv.prelude = Some(path);
             continue;
         }
+        if let Some(path) = value_of("shoal-input") {
+            inv.inputs.push(path);
+            continue;
+        }
+        // `--keep-failed` alone takes no value (the default time).
         if a == "--keep-failed" {
             inv.keep_failed = Some(String::new());
             continue;
         }
         if let Some(time) = a.strip_prefix("--keep-failed=") {
             inv.keep_failed = Some(time.to_owned());
-            continue;
-        }
-        if let Some(path) = a.strip_prefix("--prelude=") {
-            inv.prelude = Some(path.to_owned());
-            continue;
-        }
-        if a == "--prelude" {
-            inv.prelude = args.get(i).cloned();
-            i += 1;
-            continue;
-        }
-        if let Some(path) = a.strip_prefix("--shoal-input=") {
-            inv.inputs.push(path.to_owned());
-            continue;
-        }
-        if a == "--shoal-input" {
-            inv.inputs.extend(args.get(i).cloned());
-            i += 1;
             continue;
         }
         if let Some(long) = a.strip_prefix("--") {
