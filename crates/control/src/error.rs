@@ -63,6 +63,14 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        // A body refused part way is left unread, so the connection cannot
+        // carry another request: say so, or a client reusing it (requests'
+        // pool) fails its next request on a closed socket.
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         response
     }
 }
