@@ -131,7 +131,7 @@ pub async fn slurm(args: SlurmBenchArgs) -> Result<()> {
         }
         _ => bail!("--url needs --token"),
     };
-    let dir = std::env::temp_dir().join(format!("shoal-bench-slurm-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("shoal-bench-slurm-submit-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let report = tokio::task::spawn_blocking({
         let (dir, base, token) = (dir.clone(), base.clone(), token.clone());
