@@ -197,7 +197,7 @@ impl Engine {
             memory_sha256: None,
             created_unix_ms: now_unix_ms(),
         };
-        let booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
+        let booted = cold_boot(&launch, self.net.take().await?, &self.jail, BOOT_DEADLINE).await?;
         bar.set_message(format!(
             "{name}: guest agent up after {:.1}s; warming",
             booted.boot_ms / 1000.0
@@ -345,6 +345,7 @@ pub(crate) async fn cold_boot(
     launch: &LaunchSpec,
     net: NetSlot,
     jail: &crate::jail::Jail,
+    deadline: Duration,
 ) -> Result<ColdBoot> {
     let started = std::time::Instant::now();
     let mut launch = launch.clone();
@@ -358,7 +359,7 @@ pub(crate) async fn cold_boot(
         let qmp = shoal_qmp::Qmp::connect_with_deadline(&qemu::qmp_socket(dir), Duration::from_secs(10)).await?;
         let stream = connect_unix(&qemu::agent_socket(dir), Duration::from_secs(10)).await?;
         let agent = tokio::select! {
-            agent = tokio::time::timeout(BOOT_DEADLINE, AgentClient::connect_with_deadline(stream, BOOT_DEADLINE)) => agent
+            agent = tokio::time::timeout(deadline, AgentClient::connect_with_deadline(stream, deadline)) => agent
                 .map_err(|_| EngineError::Timeout("waiting for the guest agent to boot".into()))??,
             status = child.wait() => return Err(EngineError::Qemu {
                 message: format!("QEMU exited during boot ({})", status.map(|s| s.to_string()).unwrap_or_default()),
@@ -406,7 +407,8 @@ impl Engine {
                 &artifacts,
                 &self.kernel_cmdline(),
             )?;
-            let mut booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
+            let mut booted =
+                cold_boot(&launch, self.net.take().await?, &self.jail, BOOT_DEADLINE).await?;
             kill_process_group(booted.pid);
             let _ = booted.child.wait().await;
             Ok(booted.boot_ms)

@@ -19,6 +19,13 @@ use crate::Engine;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// How long a disk's boot may take before it counts as hung: a TCG cold
+/// boot now and then never reaches the agent (about one in ten boots of
+/// several vCPUs on two cores), and the callers boot it once more
+/// (`shoal_host::imports`); five times a healthy boot under load, so the
+/// second try still fits a client's five minutes.
+const DISK_BOOT_DEADLINE: Duration = Duration::from_secs(150);
+
 /// How long the guest agent may take to finish its own start-up work before
 /// the save (a fresh root filesystem has nothing cached).
 const SETTLE_DEADLINE: Duration = Duration::from_secs(10);
@@ -151,7 +158,13 @@ impl Engine {
             artifacts,
             &self.kernel_cmdline(),
         )?;
-        let booted = cold_boot(&launch, self.net.take().await?, &self.jail).await?;
+        let booted = cold_boot(
+            &launch,
+            self.net.take().await?,
+            &self.jail,
+            DISK_BOOT_DEADLINE,
+        )
+        .await?;
         tracing::info!(
             snapshot = id,
             boot_ms = booted.boot_ms,
