@@ -110,27 +110,28 @@ pub fn split_args(args: &[String]) -> Invocation {
             continue;
         }
         // sbatch's and Shoal's own options that take a value, as `--opt=V`
-        // or `--opt V`.
-        let mut value_of = |name: &str| -> Option<String> {
+        // or `--opt V`: `Some(value)` when given (the value `None` when it
+        // is missing at the end of the line).
+        let mut value_of = |name: &str| -> Option<Option<String>> {
             if let Some(v) = a.strip_prefix(&format!("--{name}=")) {
-                return Some(v.to_owned());
+                return Some(Some(v.to_owned()));
             }
             if a == &format!("--{name}") {
                 i += 1;
-                return Some(args.get(i - 1).cloned().unwrap_or_default());
+                return Some(args.get(i - 1).cloned());
             }
             None
         };
         if let Some(cmd) = value_of("wrap") {
-            inv.wrap = Some(cmd);
+            inv.wrap = cmd;
             continue;
         }
         if let Some(path) = value_of("prelude") {
-            inv.prelude = Some(path);
+            inv.prelude = path;
             continue;
         }
         if let Some(path) = value_of("shoal-input") {
-            inv.inputs.push(path);
+            inv.inputs.extend(path);
             continue;
         }
         // `--keep-failed` alone takes no value (the default time).
