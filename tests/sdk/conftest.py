@@ -421,9 +421,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 # Cheap, basic checks first; the second server and the quota race last.
 MODULE_ORDER = [
-    "test_service.py", "test_sandboxes.py", "test_exec.py", "test_files.py", "test_fork.py",
-    "test_lifecycle.py", "test_repl.py", "test_tenancy.py", "test_usage.py", "test_errors.py",
-    "test_quota.py", "test_capacity.py", "test_reaper.py",
+    "test_service.py", "test_sandboxes.py", "test_exec.py", "test_files.py", "test_logs_and_ports.py",
+    "test_fork.py", "test_lifecycle.py", "test_network.py", "test_repl.py", "test_tenancy.py", "test_usage.py",
+    "test_errors.py", "test_quota.py", "test_capacity.py", "test_reaper.py",
 ]
 
 

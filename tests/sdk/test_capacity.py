@@ -72,3 +72,47 @@ def test_the_sdk_retries_until_capacity_clears(shoal_one_slot, one_slot_token):
                     sandbox.kill()
                 except Exception:
                     pass
+
+
+@pytest.fixture(scope="module")
+def two_slot_server():
+    """A server whose host holds two sandboxes: a parent and one child fit, a tree of two does not."""
+    from conftest import ShoalServer, _state_dir, sqlite_url, tmp_root
+
+    server = ShoalServer("shoal-two-slots", _state_dir("-two-slots"), sqlite_url(tmp_root() / "two-slots.db"),
+                         extra_args=("--max-sandboxes", "2"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_fork_tree_that_does_not_fit_is_503_and_makes_no_child(two_slot_server):
+    token = two_slot_server.create_token("sdk-capacity-tree", "team")
+    client = two_slot_server.client(token, max_create_retry_seconds=0)
+    http = two_slot_server.http(token)
+    parent = client.sandboxes.create(template="base")
+    made = [parent]
+    try:
+        # One slot is free: the first child would fit, the second not. All or
+        # nothing, and a 503 (which the SDK retries) only with nothing made.
+        r = http.post(f"{two_slot_server.url}/v1/sandboxes/{parent.id}/fork-tree", json={"count": 2}, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.headers.get("Retry-After") == "5"
+        assert error_of(r) == "no compute capacity available"
+        assert [s.id for s in client.sandboxes.list()] == [parent.id]
+        with pytest.raises(ServerError) as refused:
+            parent.fork_tree(2)
+        assert "no compute capacity available" in str(refused.value)
+        assert [s.id for s in client.sandboxes.list()] == [parent.id]
+
+        # The refused trees left their slot free: a tree of one fits.
+        children = parent.fork_tree(1)
+        made += children
+        assert len(children) == 1 and children[0].exec("echo child").stdout == "child\n"
+        assert sorted(s.id for s in client.sandboxes.list()) == sorted(s.id for s in made)
+    finally:
+        for sandbox in reversed(made):
+            try:
+                sandbox.kill()
+            except Exception:
+                pass

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import requests
 
 from pandastack import CommandFailed, SandboxTimeout
 from sdkhelpers import pids_matching, wait_until
@@ -78,3 +79,53 @@ def test_exec_stream_timeout_raises_sandbox_timeout(sb):
         sb.exec_stream("echo started; sleep 31", timeout_seconds=2)
     assert time.monotonic() - started < 20
     wait_until(lambda: pids_matching(sb, "sleep 3[1]") == [], 5, "the timed-out command to be killed")
+
+
+KEEP_ALIVE_SECONDS = 15
+
+
+def test_exec_stream_sends_keep_alives_through_a_silent_command(shoal, account, sb):
+    """A command silent for longer than the keep-alive interval: the stream
+    carries `: keep-alive` comments meanwhile, then the rest of the output."""
+    started = time.monotonic()
+    seen = []
+    with requests.post(f"{shoal.url}/v1/sandboxes/{sb.id}/exec/stream",
+                       json={"cmd": f"echo before; sleep {KEEP_ALIVE_SECONDS + 2}; echo after"},
+                       headers={"Authorization": f"Bearer {account.token}", "Accept": "text/event-stream"},
+                       stream=True, timeout=60) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines(decode_unicode=True):
+            seen.append((time.monotonic() - started, line))
+    lines = [line for _, line in seen]
+    comments = [(at, line) for at, line in seen if line.startswith(":")]
+    assert comments, lines
+    assert all(line[1:].strip() == "keep-alive" for _, line in comments), comments
+    before = next(at for at, line in seen if line.startswith("data:") and "before" in line)
+    after = next(at for at, line in seen if line.startswith("data:") and "after" in line)
+    first = comments[0][0]
+    assert before < first < after, seen
+    assert KEEP_ALIVE_SECONDS - 1.5 <= first - before <= KEEP_ALIVE_SECONDS + 1.5, seen
+    events = [line for line in lines if line.startswith(("event:", "data:"))]
+    assert events[-2:] == ["event: exit", 'data: {"exit_code":0}'], events
+
+
+class Disconnect(Exception):
+    pass
+
+
+def test_exec_stream_kills_the_command_when_the_client_goes_away(sb):
+    """The SDK closes the response when a callback raises: the command, silent
+    from then on, must be killed at once, not when it next writes (the server
+    sees the closed connection at once: a command that keeps printing is
+    killed within a fraction of a second)."""
+    sb.exec("rm -f /tmp/after-disconnect")
+
+    def on_stdout(chunk):
+        if "started" in chunk:
+            raise Disconnect()
+
+    with pytest.raises(Disconnect):
+        sb.exec_stream("echo started; sleep 1033; touch /tmp/after-disconnect", on_stdout=on_stdout)
+    wait_until(lambda: pids_matching(sb, "sleep 103[3]") == [], 10,
+               "the command of a stream whose client went away to be killed")
+    assert not sb.filesystem.exists("/tmp/after-disconnect")

@@ -2,7 +2,9 @@
 
 import pytest
 
-from pandastack import NotFoundError
+from conftest import kill_quietly
+from pandastack import BadRequestError, NotFoundError
+from sdkhelpers import error_of
 
 
 def prepare_parent(sandboxes, tag):
@@ -70,3 +72,65 @@ def test_promote_with_cleanup_siblings_deletes_the_siblings(client, sandboxes):
 
     again = winner.promote(cleanup_siblings=True, tree_id=answer["tree_id"])
     assert again["deleted"] == []
+
+
+def live_ids(client):
+    return [s.id for s in client.sandboxes.list()]
+
+
+def test_a_fork_tree_past_the_quota_is_refused_whole(shoal, make_account):
+    """The Free tier holds five sandboxes: a parent and a tree of five would be
+    six. The first four children are admitted before the fifth is refused;
+    all or nothing: none of them may remain, nor hold a slot."""
+    free = make_account("free", "fork-tree-quota")
+    client = shoal.client(free.token, max_create_retry_seconds=0)
+    http = shoal.http(free.token)
+    parent = client.sandboxes.create(template="base")
+    made = [parent]
+    try:
+        r = http.post(f"{shoal.url}/v1/sandboxes/{parent.id}/fork-tree", json={"count": 5}, timeout=60)
+        assert r.status_code == 429, r.text
+        assert "Retry-After" not in r.headers
+        assert "concurrent" in error_of(r)
+        assert live_ids(client) == [parent.id]
+        with pytest.raises(BadRequestError):
+            parent.fork_tree(5)
+        assert live_ids(client) == [parent.id]
+
+        # The refused trees' children hold no slot: four still fit.
+        children = parent.fork_tree(4)
+        made += children
+        assert len(children) == 4
+        assert sorted(live_ids(client)) == sorted(s.id for s in made)
+        assert children[0].exec("echo child").stdout == "child\n"
+    finally:
+        for sandbox in reversed(made):
+            kill_quietly(sandbox)
+
+
+def test_a_refused_fork_tree_charges_nothing_to_the_hourly_quota(shoal, make_account):
+    """Refused creates do not count towards either limit (4.1), and a fork-tree
+    is all or nothing (1.8): the children admitted before the refusal must not
+    be charged to the Free tier's 60 creates an hour either."""
+    free = make_account("free", "fork-tree-hourly")
+    client = shoal.client(free.token, max_create_retry_seconds=0)
+    http = shoal.http(free.token)
+    parent = client.sandboxes.create(template="base")
+    made = [parent]
+    try:
+        # Each refusal admits four children (the parent is the fifth sandbox)
+        # before the sixth is refused: fifteen of them are sixty children.
+        refusals = []
+        for _ in range(15):
+            r = http.post(f"{shoal.url}/v1/sandboxes/{parent.id}/fork-tree", json={"count": 16}, timeout=60)
+            assert r.status_code == 429, r.text
+            refusals.append(error_of(r))
+        assert live_ids(client) == [parent.id]
+        assert all("concurrent" in message for message in refusals), \
+            f"the children admitted before each refusal were charged as creates: {sorted(set(refusals))}"
+        child = parent.fork()
+        made.append(child)
+        assert child.exec("echo child").stdout == "child\n"
+    finally:
+        for sandbox in reversed(made):
+            kill_quietly(sandbox)

@@ -1,8 +1,11 @@
 """Lifecycle (TTL, persistence), pause/resume, snapshots, hibernate/wake."""
 
+import datetime
+
 import pytest
 
 from pandastack import BadRequestError, NotFoundError
+from sdkhelpers import parse_time
 
 
 def start_detached_sleeper(sb) -> str:
@@ -107,3 +110,30 @@ def test_exec_wakes_a_hibernated_sandbox(client, sandboxes):
     assert client.sandboxes.get(sb.id).status == "hibernated"
     assert sb.exec("cat /dev/shm/auto").stdout == "still here"
     assert client.sandboxes.get(sb.id).status == "running"
+
+
+DEFAULT_TTL_SECONDS = 300
+
+
+def test_a_sandbox_created_without_a_ttl_gets_the_300_s_default(client, sandboxes, shoal, http):
+    sb = sandboxes()  # the SDK sends no ttl_seconds
+    lifecycle = sb.lifecycle()
+    assert lifecycle["ttl_seconds"] == DEFAULT_TTL_SECONDS
+    assert lifecycle["persistent"] is False
+    left = (parse_time(lifecycle["expires_at"]) - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    assert DEFAULT_TTL_SECONDS - 30 < left <= DEFAULT_TTL_SECONDS + 1, lifecycle
+    assert http.get(f"{shoal.url}/v1/sandboxes/{sb.id}", timeout=30).json()["ttl_seconds"] == DEFAULT_TTL_SECONDS
+
+    # An explicit null is the default too.
+    r = http.post(f"{shoal.url}/v1/sandboxes", json={"template": "base", "ttl_seconds": None}, timeout=60)
+    assert r.status_code == 201, r.text
+    explicit = sandboxes.track(client.sandboxes.get(r.json()["id"]))
+    assert r.json()["ttl_seconds"] == DEFAULT_TTL_SECONDS
+    assert explicit.lifecycle()["ttl_seconds"] == DEFAULT_TTL_SECONDS
+
+
+def test_patching_ttl_seconds_to_null_restores_the_default(sandboxes):
+    sb = sandboxes(ttl_seconds=60)
+    assert sb.lifecycle()["ttl_seconds"] == 60
+    assert sb.set_ttl(None)["ttl_seconds"] == DEFAULT_TTL_SECONDS
+    assert sb.lifecycle()["ttl_seconds"] == DEFAULT_TTL_SECONDS

@@ -49,7 +49,7 @@ def test_free_tier_race_gives_exactly_five_sandboxes(shoal, make_account):
             assert "Retry-After" not in refusal.headers
             message = error_of(refusal).lower()
             assert "concurrent" in message and str(FREE_CONCURRENT) in message, message
-        listed = http.get(f"{shoal.url}/v1/sandboxes", timeout=30).json()["items"]
+        listed = http.get(f"{shoal.url}/v1/sandboxes", timeout=30).json()
         assert sorted(s["id"] for s in listed) == sorted(created)
 
         # The SDK raises a quota refusal at once: no Retry-After, no retry.

@@ -1,10 +1,12 @@
 """Code-interpreter sessions: state kept between runs, rich results (PNG, HTML)."""
 
 import base64
+import time
 
 import pytest
 
-from pandastack import NotFoundError
+from pandastack import BadRequestError, NotFoundError, SandboxTimeout
+from sdkhelpers import error_of
 
 # Importing pandas or matplotlib in a guest emulated by TCG takes a while; give
 # these calls room beyond the SDK's 30 s default.
@@ -78,3 +80,55 @@ def test_a_closed_session_is_gone(sb):
     context.close()
     with pytest.raises(NotFoundError):
         context.run_code("1 + 1")
+
+
+MAX_SESSIONS = 8
+
+
+def test_a_ninth_session_is_409_until_one_closes(shoal, account, sb):
+    http = shoal.http(account.token)
+    url = f"{shoal.url}/v1/sandboxes/{sb.id}/repl/sessions"
+    opened = []
+    try:
+        for _ in range(MAX_SESSIONS):
+            opened.append(sb.create_code_context())
+        r = http.post(url, json={"language": "python"}, timeout=60)
+        assert r.status_code == 409, r.text
+        assert error_of(r)
+        with pytest.raises(BadRequestError):
+            sb.create_code_context()
+        # Every one of the eight still works, and closing one frees its place.
+        assert [ctx.run_code(f"{i} * 2").text for i, ctx in enumerate(opened)] == [
+            str(i * 2) for i in range(MAX_SESSIONS)]
+        opened.pop().close()
+        again = sb.create_code_context()
+        opened.append(again)
+        assert again.run_code("'ninth'").text == "'ninth'"
+    finally:
+        for ctx in opened:
+            ctx.close()
+
+
+def test_a_cell_past_its_timeout_is_504_and_the_session_survives(shoal, account, sb, ctx):
+    ctx.run_code("kept = 'before'")
+    started = time.monotonic()
+    with pytest.raises(SandboxTimeout):
+        ctx.run_code("import time\ntime.sleep(60)", timeout_seconds=1)
+    assert time.monotonic() - started < 15
+    r = shoal.http(account.token).post(
+        f"{shoal.url}/v1/sandboxes/{sb.id}/repl/sessions/{ctx.id}/run",
+        json={"code": "while True:\n    pass", "timeout_ms": 1500}, timeout=60)
+    assert r.status_code == 504, r.text
+    assert error_of(r) == "cell timeout after 1.5s"
+    assert ctx.run_code("kept").text == "'before'"
+
+
+@pytest.mark.parametrize("language", ["javascript", "r", "bash", ""])
+def test_an_unsupported_language_is_400(shoal, account, sb, language):
+    r = shoal.http(account.token).post(f"{shoal.url}/v1/sandboxes/{sb.id}/repl/sessions",
+                                       json={"language": language}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert error_of(r) == f"unsupported language: {language}"
+    with pytest.raises(BadRequestError) as refused:
+        sb.create_code_context(language or "ruby")
+    assert "unsupported language" in str(refused.value)

@@ -558,13 +558,43 @@ fn three_hosts_spread_lose_one_and_fill_up() {
             .filter(|(_, h)| *h != victim)
             .map(|(id, _)| id.clone())
             .collect();
-        // Agents write activity out every 5 s: let what the creates and the
-        // exec did land before taking the picture.
-        tokio::time::sleep(Duration::from_secs(6)).await;
-        let mut before = Vec::new();
-        for id in &survivors {
-            before.push(store.sandbox_by_id(id).await.unwrap().unwrap());
-        }
+        // Agents write activity out every 5 s (and an exec's end just after
+        // its answer): take the picture once what the creates and the exec
+        // did has landed, that is once no survivor's row has changed for
+        // longer than one flush and no exec is in flight. A fixed wait
+        // would break on a flush that comes late.
+        const SETTLED: Duration = Duration::from_secs(6);
+        let rows = |ids: Vec<String>| {
+            let store = &store;
+            async move {
+                let mut rows = Vec::new();
+                for id in &ids {
+                    rows.push(store.sandbox_by_id(id).await.unwrap().unwrap());
+                }
+                rows
+            }
+        };
+        let last_seen = std::cell::RefCell::new((Vec::new(), Instant::now()));
+        let settled = shoal_testkit::wait_until(Duration::from_secs(60), || {
+            let (last_seen, current) = (&last_seen, rows(survivors.clone()));
+            async move {
+                // A few reads a second are enough, and spare the database.
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let current = current.await;
+                let mut last_seen = last_seen.borrow_mut();
+                if current != last_seen.0 || current.iter().any(|r| r.running_execs != 0) {
+                    *last_seen = (current, Instant::now());
+                    return false;
+                }
+                last_seen.1.elapsed() > SETTLED
+            }
+        })
+        .await;
+        let before = last_seen.into_inner().0;
+        assert!(
+            settled,
+            "the survivors' rows did not settle within 60 s: {before:?}"
+        );
         agents[0].signal(shoal_testkit::SIGKILL);
         let killed = Instant::now();
         let all_lost = shoal_testkit::wait_until(Duration::from_secs(40), || async {

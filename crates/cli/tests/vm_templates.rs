@@ -93,7 +93,7 @@ fn a_running_sandbox_becomes_an_accounts_template() {
 
         let (status, listed) = api.call(Method::GET, "/v1/templates", None).await;
         assert_eq!(status, 200, "{listed}");
-        let names: Vec<&str> = listed["items"]
+        let names: Vec<&str> = listed
             .as_array()
             .unwrap()
             .iter()

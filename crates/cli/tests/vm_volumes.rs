@@ -65,8 +65,7 @@ impl Api {
     async fn live_sandboxes(&self) -> Vec<String> {
         let (status, body) = self.get("/v1/sandboxes").await;
         assert_eq!(status, 200);
-        body["items"]
-            .as_array()
+        body.as_array()
             .unwrap()
             .iter()
             .map(|s| s["id"].as_str().unwrap().to_owned())

@@ -891,7 +891,7 @@ async fn wake(cp: &Arc<ControlPlane>, app: &AppRow) {
     }
     match cp.host.wake(&sandbox).await {
         Ok(_) => {
-            if let Err(e) = cp.set_status(&sandbox, "running").await {
+            if let Err(e) = cp.set_status(&sandbox, "running", "sandbox.woken").await {
                 tracing::warn!(id = app.id, error = e.message, "recording a woken sandbox");
             }
             now_running(cp, app, sandbox).await;
@@ -987,7 +987,7 @@ async fn hibernate(cp: &ControlPlane, app: &AppRow) {
         tracing::warn!(id = app.id, error = %e, "hibernating an app");
         return;
     }
-    if let Err(e) = cp.set_status(&sandbox, "hibernated").await {
+    if let Err(e) = cp.set_status(&sandbox, "hibernated", "sandbox.hibernated").await {
         tracing::warn!(
             id = app.id,
             error = e.message,

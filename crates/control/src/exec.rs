@@ -78,25 +78,50 @@ impl ExecBody {
     }
 }
 
-/// Holds `running_execs` up for one exec; lowers it when dropped, even when
-/// a streaming client goes away mid-command.
-struct Activity {
+/// Holds `running_execs` up for one command (an exec or a repl cell);
+/// lowers it when dropped, even when a streaming client goes away
+/// mid-command, and records the command in the sandbox's event log with
+/// how it ended.
+pub(crate) struct Activity {
     cp: Arc<ControlPlane>,
     id: String,
+    /// What the event log shows of the command (`None`: no event).
+    command: Option<String>,
+    outcome: Value,
 }
 
 impl Activity {
-    async fn start(cp: &Arc<ControlPlane>, id: &str) -> ApiResult<Activity> {
+    pub(crate) async fn start(
+        cp: &Arc<ControlPlane>,
+        id: &str,
+        command: Option<&str>,
+    ) -> ApiResult<Activity> {
         cp.store.exec_started(id, now()).await?;
         Ok(Activity {
             cp: cp.clone(),
             id: id.to_string(),
+            command: command.map(crate::events::command_summary),
+            outcome: json!({ "exit_code": null, "ended": "client gone or guest failed" }),
         })
+    }
+
+    /// The command exited.
+    pub(crate) fn exited(&mut self, code: i32, duration_ms: u64) {
+        self.outcome = json!({ "exit_code": code, "duration_ms": duration_ms });
+    }
+
+    pub(crate) fn timed_out(&mut self) {
+        self.outcome = json!({ "exit_code": null, "ended": "timed out" });
     }
 }
 
 impl Drop for Activity {
     fn drop(&mut self) {
+        if let Some(command) = self.command.take() {
+            let mut payload = std::mem::take(&mut self.outcome);
+            payload["cmd"] = json!(command);
+            self.cp.event(&self.id, "sandbox.exec", payload);
+        }
         let (cp, id) = (self.cp.clone(), std::mem::take(&mut self.id));
         tokio::spawn(async move {
             if let Err(e) = cp.store.exec_finished(&id, now()).await {
@@ -142,7 +167,7 @@ pub async fn exec(
     let (request, timeout) = body.request()?;
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
-    let _activity = Activity::start(&cp, &id).await?;
+    let mut activity = Activity::start(&cp, &id, Some(&request.cmd)).await?;
     // The guest agent promises the timeout; the host does not rely on it.
     let host_deadline = request.timeout.map(|t| t + GUEST_TIMEOUT_MARGIN);
     let call = agent.exec_collect(request);
@@ -160,11 +185,13 @@ pub async fn exec(
         Err(e) => return Err(cp.agent_failure(&id, e).await),
     };
     if output.status.timed_out {
+        activity.timed_out();
         return Err(ApiError::new(
             StatusCode::GATEWAY_TIMEOUT,
             timeout_message(timeout),
         ));
     }
+    activity.exited(exit_code(&output.status), output.status.duration_ms);
     let reply = ExecReply {
         stdout: String::from_utf8_lossy(&output.stdout),
         stderr: String::from_utf8_lossy(&output.stderr),
@@ -198,11 +225,10 @@ pub async fn exec_stream(
     let (request, timeout) = body.request()?;
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
-    let activity = Activity::start(&cp, &id).await?;
+    let mut activity = Activity::start(&cp, &id, Some(&request.cmd)).await?;
     let mut handle = agent.exec(request).await?;
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
     tokio::spawn(async move {
-        let _activity = activity;
         let (mut stdout, mut stderr) = (Utf8Decoder::default(), Utf8Decoder::default());
         loop {
             let event = match handle.next_event().await {
@@ -214,8 +240,10 @@ pub async fn exec_stream(
                 }
                 Ok(ExecEvent::Exit(status)) => {
                     let last = if status.timed_out {
+                        activity.timed_out();
                         sse("error", json!({ "error": timeout_message(timeout) }))
                     } else {
+                        activity.exited(exit_code(&status), status.duration_ms);
                         sse("exit", json!({ "exit_code": exit_code(&status) }))
                     };
                     let _ = tx.send(last).await;
@@ -431,10 +459,10 @@ pub async fn pty(
     }
     cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
-    let activity = Activity::start(&cp, &id).await?;
     let cmd = query.cmd.unwrap_or_else(|| {
         "if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi".into()
     });
+    let mut activity = Activity::start(&cp, &id, Some(&format!("(terminal) {cmd}"))).await?;
     let mut request = ExecRequest::new(cmd).env("TERM", "xterm-256color");
     request.cwd = query.cwd;
     request.pty = Some(size);
@@ -444,32 +472,46 @@ pub async fn pty(
         .max_message_size(PTY_MAX_MESSAGE)
         .max_frame_size(PTY_MAX_MESSAGE)
         .on_upgrade(move |socket| async move {
-            let _activity = activity;
-            bridge_pty(socket, handle).await;
+            if let Some(code) = bridge_pty(socket, handle).await {
+                activity.exited(code, 0);
+            }
         }))
 }
 
 /// Carries a terminal between a WebSocket and a guest exec until either
-/// ends.
+/// ends; yields the shell's exit code when it exited.
 async fn bridge_pty(
     socket: axum::extract::ws::WebSocket,
     mut handle: shoal_proto::client::ExecHandle,
-) {
+) -> Option<i32> {
     use axum::extract::ws::Message;
     use futures::{SinkExt as _, StreamExt as _};
     let input = handle.input();
     let (mut to_client, mut from_client) = socket.split();
     let mut ping = tokio::time::interval(PTY_PING);
     let mut heard = tokio::time::Instant::now();
+    let mut exit = None;
     let ended = loop {
         tokio::select! {
             event = handle.next_event() => match event {
                 Ok(ExecEvent::Stdout(bytes)) | Ok(ExecEvent::Stderr(bytes)) => {
-                    if to_client.send(Message::Binary(bytes.into())).await.is_err() {
+                    // A client that stops reading holds this send (and so
+                    // the guest's output, by the agent's flow control), not
+                    // the server's memory; one that never reads again is
+                    // dropped.
+                    let sent = tokio::time::timeout(
+                        PTY_CLIENT_SILENCE,
+                        to_client.send(Message::Binary(bytes.into())),
+                    )
+                    .await;
+                    if !matches!(sent, Ok(Ok(()))) {
                         break None;
                     }
                 }
-                Ok(ExecEvent::Exit(status)) => break Some(json!({ "exit": exit_code(&status) })),
+                Ok(ExecEvent::Exit(status)) => {
+                    exit = Some(exit_code(&status));
+                    break Some(json!({ "exit": exit_code(&status) }));
+                }
                 Err(e) => break Some(json!({ "error": format!("guest agent: {e}") })),
             },
             message = from_client.next() => {
@@ -518,4 +560,5 @@ async fn bridge_pty(
             let _ = input.signal(9);
         }
     }
+    exit
 }

@@ -41,18 +41,24 @@ impl FromRequestParts<Arc<ControlPlane>> for Caller {
                 .map(Caller)
                 .ok_or_else(unauthorized);
         }
-        let token = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(shoal_store::bearer_token)
-            .ok_or_else(unauthorized)?;
+        let token = request_token(parts).ok_or_else(unauthorized)?;
         state
-            .authenticate(token)
+            .authenticate(&token)
             .await?
             .map(Caller)
             .ok_or_else(unauthorized)
     }
+}
+
+/// The token a request carries (`Authorization: Bearer`, `X-API-Key` or
+/// `?access_token=`, as PandaStack's server reads them).
+pub(crate) fn request_token(parts: &Parts) -> Option<String> {
+    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    shoal_store::request_token(
+        header(header::AUTHORIZATION.as_str()),
+        header("x-api-key"),
+        parts.uri.query(),
+    )
 }
 
 /// A JSON body; an empty body reads as `T::default()` (the SDK sends

@@ -17,6 +17,7 @@ mod blobs;
 mod build_layers;
 mod builds;
 mod error;
+mod events;
 mod exec;
 mod extract;
 mod files;
@@ -32,6 +33,7 @@ mod sandboxes;
 mod snapshots;
 mod sweeps;
 mod templates;
+mod tokens;
 mod usage;
 mod volumes;
 
@@ -109,6 +111,7 @@ pub struct ControlPlane {
     runner: runner::Runner,
     apps: apps::Apps,
     builds: builds::Builds,
+    events: events::EventLog,
 }
 
 impl ControlPlane {
@@ -122,6 +125,7 @@ impl ControlPlane {
             runner: runner::Runner::default(),
             apps: apps::Apps::default(),
             builds: builds::Builds::default(),
+            events: events::EventLog::default(),
         })
     }
 
@@ -156,6 +160,16 @@ impl ControlPlane {
             self.store.authenticate(token)
         })
         .await
+    }
+
+    /// Records an event in a sandbox's log (see [`events`]).
+    pub(crate) fn event(&self, sandbox_id: &str, kind: &str, payload: serde_json::Value) {
+        self.events.record(sandbox_id, kind, payload);
+    }
+
+    /// Drops a revoked token's cached account, so it is refused at once.
+    pub(crate) fn forget_token(&self, hash: &str) {
+        self.tokens.lock().unwrap().remove(hash);
     }
 
     /// The account a front vouched for, by id, from the same short cache.
@@ -195,6 +209,7 @@ impl ControlPlane {
     pub async fn start_background(self: &Arc<Self>) -> ApiResult<()> {
         lifecycle::reconcile(self).await?;
         builds::fail_abandoned(self).await;
+        events::spawn_flusher(self.clone());
         lifecycle::spawn(self.clone());
         apps::spawn(self.clone());
         if self.config.sweeps.enabled {
@@ -210,9 +225,15 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
     let app = "/v1/apps/{id}";
     Router::new()
         .route("/healthz", get(meta::healthz))
+        .route("/version", get(meta::version))
         .route("/v1/openapi.json", get(meta::openapi))
         .route("/v1/me", get(meta::me))
         .route("/v1/capacity", get(meta::capacity))
+        .route("/v1/me/tokens", get(tokens::list).post(tokens::create))
+        .route(
+            "/v1/me/tokens/{prefix}",
+            axum::routing::delete(tokens::revoke),
+        )
         .route(
             "/v1/templates",
             get(templates::list).post(templates::create),
@@ -261,9 +282,21 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route(&format!("{sandbox}/resume"), post(sandboxes::resume))
         .route(&format!("{sandbox}/hibernate"), post(sandboxes::hibernate))
         .route(&format!("{sandbox}/wake"), post(sandboxes::wake))
+        // PandaStack's public names for hibernate and wake.
+        .route(&format!("{sandbox}/stop"), post(sandboxes::hibernate))
+        .route(&format!("{sandbox}/start"), post(sandboxes::wake))
         .route(&format!("{sandbox}/snapshots"), post(sandboxes::snapshot))
         .route(&format!("{sandbox}/logs"), get(meta::logs))
-        .route(&format!("{sandbox}/ports"), get(meta::ports))
+        .route(
+            &format!("{sandbox}/ports"),
+            get(meta::ports).post(meta::expose_port),
+        )
+        .route(
+            &format!("{sandbox}/ports/{{port}}"),
+            axum::routing::delete(meta::unexpose_port),
+        )
+        .route(&format!("{sandbox}/metrics"), get(meta::metrics))
+        .route(&format!("{sandbox}/events"), get(events::list))
         .route(&format!("{sandbox}/proxy/{{port}}"), any(proxy::proxy_root))
         // A wildcard matches no empty path: `/proxy/8000/` needs its own route.
         .route(

@@ -130,6 +130,15 @@ impl ControlPlane {
         };
         for row in candidates.into_iter().filter(|r| self.is_ours(r)) {
             tracing::info!(id = row.id, "reaping an idle or over-age sandbox");
+            let at = now();
+            let over_age = row
+                .max_lifetime_seconds
+                .is_some_and(|max| at - row.created_at >= max as f64);
+            self.event(
+                &row.id,
+                "sandbox.reaped",
+                serde_json::json!({ "reason": if over_age { "max_lifetime" } else { "idle" } }),
+            );
             if let Err(e) = self.destroy(&row.id).await {
                 tracing::warn!(id = row.id, error = e.message, "reaping");
             }
@@ -265,6 +274,11 @@ pub async fn reconcile(cp: &ControlPlane) -> ApiResult<()> {
             }
             Err(_) => {
                 tracing::info!(id = row.id, "sandbox did not survive the restart");
+                cp.event(
+                    &row.id,
+                    "sandbox.lost",
+                    serde_json::json!({ "reason": "its VM did not survive a restart of the service" }),
+                );
                 let patch = SandboxPatch {
                     status: Some(status::DELETED.into()),
                     deleted_at: Some(now()),
@@ -291,6 +305,11 @@ impl ControlPlane {
                     deleted_at: Some(now()),
                     ..SandboxPatch::default()
                 };
+                self.event(
+                    id,
+                    "sandbox.failed",
+                    serde_json::json!({ "reason": failure.reason }),
+                );
                 if let Err(e) = self.store.update_sandbox(id, patch).await {
                     tracing::error!(id, error = %e, "recording a failed sandbox");
                     return;

@@ -37,6 +37,51 @@ pub async fn healthz() -> Json<Value> {
     Json(json!({ "status": "ok" }))
 }
 
+/// `GET /version` (no token), in PandaStack's shape.
+pub async fn version() -> Json<Value> {
+    Json(json!({
+        "service": "shoal",
+        "semver": concat!("v", env!("CARGO_PKG_VERSION")),
+        "commit": option_env!("SHOAL_GIT_COMMIT").unwrap_or("unknown"),
+        "build_time": option_env!("SHOAL_BUILD_TIME").unwrap_or("unknown"),
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+    }))
+}
+
+/// How long `GET .../metrics` watches the QEMU process to measure its CPU.
+const METRICS_WINDOW: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// `GET /v1/sandboxes/{id}/metrics`: the sandbox's QEMU process on its
+/// host (PandaStack's fields): pid, uptime, CPU over 200 ms as a percentage
+/// of one core, resident and virtual size, threads.
+pub async fn metrics(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    cp.running(&account, &id).await?;
+    let engine = cp.host.engine();
+    let unavailable = || {
+        ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            format!("sandbox {id} has no VM process now"),
+        )
+    };
+    let first = engine.process_stat(&id)?.ok_or_else(unavailable)?;
+    tokio::time::sleep(METRICS_WINDOW).await;
+    let second = engine.process_stat(&id)?.ok_or_else(unavailable)?;
+    let busy = (second.cpu_seconds - first.cpu_seconds).max(0.0);
+    Ok(Json(json!({
+        "pid": second.pid,
+        "uptime_seconds": second.uptime_seconds as u64,
+        "host_cpu_percent": busy / METRICS_WINDOW.as_secs_f64() * 100.0,
+        "host_rss_bytes": second.rss_bytes,
+        "host_vsz_bytes": second.vsize_bytes,
+        "threads": second.threads,
+    })))
+}
+
 pub async fn openapi() -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI)
 }
@@ -205,7 +250,7 @@ pub async fn ports(
     Caller(account): Caller,
     Path(id): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    cp.running(&account, &id).await?;
+    let row = cp.running(&account, &id).await?;
     let agent = cp.host.engine().agent(&id).await?;
     let out = agent
         .exec_collect_limited(
@@ -213,11 +258,113 @@ pub async fn ports(
             MAX_PORT_TABLE,
         )
         .await?;
-    let ports: Vec<Value> = listening_ports(&String::from_utf8_lossy(&out.stdout))
+    let listening = listening_ports(&String::from_utf8_lossy(&out.stdout));
+    let labels = port_labels(&row.metadata);
+    let mut ports: Vec<u16> = labels.keys().chain(listening.iter()).copied().collect();
+    ports.sort_unstable();
+    ports.dedup();
+    // An array of PandaStack's port objects (the SDK reads an array or
+    // `{"ports"}`).
+    let ports: Vec<Value> = ports
         .into_iter()
-        .map(|port| json!({ "port": port, "protocol": "tcp", "listening": true }))
+        .map(|port| {
+            let label = labels.get(&port);
+            json!({
+                "port": port,
+                "protocol": "tcp",
+                "label": label,
+                "listening": listening.contains(&port),
+                "source": if label.is_some() { "user" } else { "detected" },
+                "proxy_url": format!("/v1/sandboxes/{id}/proxy/{port}/"),
+            })
+        })
         .collect();
-    Ok(Json(json!({ "ports": ports })))
+    Ok(Json(Value::Array(ports)))
+}
+
+/// Metadata keys naming an exposed port: `port.<n>` = its label.
+const PORT_KEY_PREFIX: &str = "port.";
+
+fn port_labels(metadata: &shoal_store::Metadata) -> std::collections::BTreeMap<u16, String> {
+    metadata
+        .iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(PORT_KEY_PREFIX)?.parse().ok()?, v.clone())))
+        .collect()
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(default)]
+pub struct ExposeBody {
+    port: i64,
+    label: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/ports {port, label}`: names a port the
+/// sandbox serves (kept in its metadata as `port.<n>`, as PandaStack does);
+/// `DELETE .../ports/{port}` forgets it. The proxy serves any port either way.
+pub async fn expose_port(
+    State(cp): St,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    crate::extract::Body(body): crate::extract::Body<ExposeBody>,
+) -> ApiResult<(axum::http::StatusCode, Json<Value>)> {
+    let port = u16::try_from(body.port)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| ApiError::bad_request("port must be 1..65535"))?;
+    let label = body.label.filter(|l| !l.is_empty()).unwrap_or_else(|| "service".into());
+    if label.len() > 1024 || label.chars().any(char::is_control) {
+        return Err(ApiError::bad_request(
+            "label is at most 1024 printable characters",
+        ));
+    }
+    let row = cp.owned(&account, &id).await?;
+    let mut metadata = row.metadata.clone();
+    let key = format!("{PORT_KEY_PREFIX}{port}");
+    if !metadata.contains_key(&key) && metadata.len() >= crate::sandboxes::MAX_METADATA_KEYS {
+        return Err(ApiError::bad_request(format!(
+            "metadata holds at most {} keys",
+            crate::sandboxes::MAX_METADATA_KEYS
+        )));
+    }
+    metadata.insert(key, label.clone());
+    set_metadata(&cp, &id, metadata).await?;
+    Ok((
+        axum::http::StatusCode::CREATED,
+        Json(json!({
+            "port": port,
+            "protocol": "tcp",
+            "label": label,
+            "listening": false,
+            "source": "user",
+            "proxy_url": format!("/v1/sandboxes/{id}/proxy/{port}/"),
+        })),
+    ))
+}
+
+pub async fn unexpose_port(
+    State(cp): St,
+    Caller(account): Caller,
+    Path((id, port)): Path<(String, String)>,
+) -> ApiResult<axum::http::StatusCode> {
+    let port: u16 = port
+        .parse()
+        .map_err(|_| ApiError::bad_request("invalid port"))?;
+    let row = cp.owned(&account, &id).await?;
+    let mut metadata = row.metadata.clone();
+    if metadata.remove(&format!("{PORT_KEY_PREFIX}{port}")).is_some() {
+        set_metadata(&cp, &id, metadata).await?;
+    }
+    Ok(axum::http::StatusCode::NO_CONTENT)
+}
+
+async fn set_metadata(cp: &ControlPlane, id: &str, metadata: shoal_store::Metadata) -> ApiResult<()> {
+    let patch = shoal_store::SandboxPatch {
+        metadata: Some(metadata),
+        ..Default::default()
+    };
+    cp.store.update_sandbox(id, patch).await?;
+    Ok(())
 }
 
 pub(crate) fn listening_ports(proc_net_tcp: &str) -> Vec<u16> {

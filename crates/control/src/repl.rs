@@ -74,6 +74,9 @@ pub async fn run(
         .code
         .ok_or_else(|| ApiError::bad_request("code must be a string"))?;
     cp.running(&account, &id).await?;
+    // A cell in flight is activity: the reaper never takes a sandbox
+    // mid-cell, however long the cell outlasts the TTL.
+    let _activity = crate::exec::Activity::start(&cp, &id, None).await?;
     let output = cp
         .host
         .run_cell(&id, &session, &code, timeout)

@@ -8,7 +8,7 @@
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{Body, Caller};
 use crate::{now, rfc3339, ControlPlane};
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde::Deserialize;
@@ -18,7 +18,7 @@ use shoal_store::{status, Account, Metadata, NewSandbox, SandboxPatch, SandboxRo
 use std::sync::Arc;
 
 pub const DEFAULT_TTL_SECONDS: u64 = 300;
-const MAX_METADATA_KEYS: usize = 64;
+pub(crate) const MAX_METADATA_KEYS: usize = 64;
 const MAX_FORK_TREE: usize = 16;
 
 type St = State<Arc<ControlPlane>>;
@@ -82,7 +82,7 @@ impl ControlPlane {
             "running" => Ok(row),
             "hibernated" => {
                 self.host.wake(id).await?;
-                self.set_status(id, "running").await?;
+                self.set_status(id, "running", "sandbox.woken").await?;
                 row.status = "running".into();
                 Ok(row)
             }
@@ -90,7 +90,9 @@ impl ControlPlane {
         }
     }
 
-    pub(crate) async fn set_status(&self, id: &str, new: &str) -> ApiResult<()> {
+    /// Records `new` as the sandbox's status and `event` in its log.
+    pub(crate) async fn set_status(&self, id: &str, new: &str, event: &str) -> ApiResult<()> {
+        self.event(id, event, json!({}));
         self.store
             .update_sandbox(
                 id,
@@ -120,6 +122,11 @@ impl ControlPlane {
             ..SandboxPatch::default()
         };
         self.store.update_sandbox(&row.id, patch).await?;
+        self.event(
+            &row.id,
+            "sandbox.running",
+            json!({ "boot_mode": mode, "boot_ms": info.restore_ms, "template": row.template }),
+        );
         row.status = "running".into();
         row.host = Some(self.config.host_name.clone());
         row.boot_ms = Some(info.restore_ms);
@@ -129,6 +136,7 @@ impl ControlPlane {
     }
 
     pub(crate) async fn mark_failed(&self, id: &str) {
+        self.event(id, "sandbox.failed", json!({ "reason": "its VM did not come up" }));
         let patch = SandboxPatch {
             status: Some(status::FAILED.into()),
             deleted_at: Some(now()),
@@ -144,6 +152,7 @@ impl ControlPlane {
     pub(crate) async fn destroy(&self, id: &str) -> ApiResult<Option<Usage>> {
         let last_usage = self.meter.sample_one(self, id).await;
         self.host.kill(id).await?;
+        self.event(id, "sandbox.deleted", json!({}));
         let patch = SandboxPatch {
             status: Some(status::DELETED.into()),
             deleted_at: Some(now()),
@@ -353,6 +362,12 @@ pub(crate) async fn create_sandbox(
         .store
         .admit_sandbox_with_volumes(account, &new, &cp.limits(account.tier), &volumes, now())
         .await?;
+    cp.event(
+        &row.id,
+        "sandbox.created",
+        json!({ "template": row.template, "from_snapshot": row.from_snapshot,
+                "cpu": row.cpu, "memory_mb": row.memory_mb }),
+    );
     let options = CreateOptions {
         allow_internet: body.allow_internet.unwrap_or(true),
         volumes: cp.attachments(account, &volumes),
@@ -409,14 +424,76 @@ impl VmSize {
     }
 }
 
-pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Value>> {
+/// `GET /v1/sandboxes`: the caller's live sandboxes as a JSON array (as
+/// PandaStack's server answers; the SDK reads an array or `{"items"}`),
+/// narrowed by `?metadata=key=value` (repeatable: every pair must match)
+/// and `?state=` (or `status=`; comma-separated states, any may match).
+pub async fn list(
+    State(cp): St,
+    Caller(account): Caller,
+    RawQuery(query): RawQuery,
+) -> ApiResult<Json<Value>> {
+    let filter = ListFilter::parse(query.as_deref())?;
     let rows = cp.store.list_sandboxes(account.id).await?;
     let items: Vec<Value> = rows
         .iter()
-        .filter(|r| r.status != status::CREATING)
+        .filter(|r| r.status != status::CREATING && filter.admits(r))
         .map(sandbox_json)
         .collect();
-    Ok(Json(json!({ "items": items })))
+    Ok(Json(Value::Array(items)))
+}
+
+/// What `GET /v1/sandboxes` was asked to narrow its list to.
+#[derive(Debug, Default, PartialEq)]
+struct ListFilter {
+    metadata: Vec<(String, String)>,
+    states: Vec<String>,
+}
+
+impl ListFilter {
+    /// At most this many `metadata` pairs and states in one query.
+    const MAX_TERMS: usize = 64;
+
+    fn parse(query: Option<&str>) -> ApiResult<Self> {
+        let mut filter = ListFilter::default();
+        let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query.unwrap_or(""))
+            .map_err(|e| ApiError::bad_request(format!("bad query string: {e}")))?;
+        for (name, value) in pairs {
+            match name.as_str() {
+                "metadata" => {
+                    let (key, wanted) = value.split_once('=').ok_or_else(|| {
+                        ApiError::bad_request(format!(
+                            "metadata filter {value:?} must be key=value"
+                        ))
+                    })?;
+                    filter.metadata.push((key.to_string(), wanted.to_string()));
+                }
+                "state" | "status" => filter.states.extend(
+                    value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(String::from),
+                ),
+                _ => {}
+            }
+        }
+        if filter.metadata.len() + filter.states.len() > Self::MAX_TERMS {
+            return Err(ApiError::bad_request(format!(
+                "at most {} metadata and state filters",
+                Self::MAX_TERMS
+            )));
+        }
+        Ok(filter)
+    }
+
+    fn admits(&self, row: &SandboxRow) -> bool {
+        (self.states.is_empty() || self.states.iter().any(|s| *s == row.status))
+            && self
+                .metadata
+                .iter()
+                .all(|(k, v)| row.metadata.get(k).is_some_and(|have| have == v))
+    }
 }
 
 pub async fn get(
@@ -531,8 +608,11 @@ async fn fork_children(
     match cp.host.fork(&slots, &parent.id, ids).await {
         Ok(fork) => {
             for (row, info) in rows.iter_mut().zip(&fork.children) {
+                cp.event(&row.id, "sandbox.forked", json!({ "parent": parent.id }));
                 cp.came_up(row, info, "fork").await?;
             }
+            let children: Vec<&str> = rows.iter().map(|r| r.id.as_str()).collect();
+            cp.event(&parent.id, "sandbox.fork", json!({ "children": children }));
             Ok(rows)
         }
         Err(e) => {
@@ -559,17 +639,37 @@ async fn fork_detached(
     id: String,
     body: ForkBody,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
+    let count = body.count.unwrap_or(1);
+    if !(1..=MAX_FORK_TREE as i64).contains(&count) {
+        return Err(ApiError::bad_request(format!(
+            "count must be between 1 and {MAX_FORK_TREE}"
+        )));
+    }
     let parent = cp.running(&account, &id).await?;
     let children = fork_children(
         &cp,
         &account,
         &parent,
-        1,
+        count as usize,
         body.metadata.unwrap_or_default(),
         None,
     )
     .await?;
-    Ok((StatusCode::CREATED, Json(sandbox_json(&children[0]))))
+    Ok((StatusCode::CREATED, Json(fork_answer(&id, &children))))
+}
+
+/// What `POST .../fork` answers, read alike by PandaStack's clients and
+/// the SDK: PandaStack's `{parent_id, children: [ids], at}`, the first
+/// child as `sandbox` (what the SDK reads first) and as the object itself
+/// (what Shoal answered before `count`), and every child's view.
+fn fork_answer(parent_id: &str, children: &[SandboxRow]) -> Value {
+    let mut answer = sandbox_json(&children[0]);
+    answer["sandbox"] = sandbox_json(&children[0]);
+    answer["parent_id"] = json!(parent_id);
+    answer["children"] = children.iter().map(|c| json!(c.id)).collect();
+    answer["sandboxes"] = children.iter().map(sandbox_json).collect();
+    answer["at"] = json!(rfc3339(now()));
+    answer
 }
 
 pub async fn fork_tree(
@@ -712,6 +812,12 @@ pub async fn set_lifecycle(
     };
     cp.store.update_sandbox(&id, patch).await?;
     let row = cp.owned(&account, &id).await?;
+    cp.event(
+        &id,
+        "sandbox.lifecycle",
+        json!({ "ttl_seconds": row.ttl_seconds, "persistent": row.persistent,
+                "max_lifetime_seconds": row.max_lifetime_seconds }),
+    );
     Ok(Json(lifecycle_json(&row, now())))
 }
 
@@ -746,7 +852,13 @@ async fn transition(
     };
     if let Some((new_status, outcome)) = target {
         outcome?;
-        cp.set_status(id, new_status).await?;
+        let event = match action {
+            "pause" => "sandbox.paused",
+            "resume" => "sandbox.resumed",
+            "hibernate" => "sandbox.hibernated",
+            _ => "sandbox.woken",
+        };
+        cp.set_status(id, new_status, event).await?;
     }
     Ok(Json(sandbox_json(&cp.owned(account, id).await?)))
 }
@@ -794,6 +906,7 @@ async fn snapshot_detached(
     id: String,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let row = cp.take_snapshot(&account, &id).await?;
+    cp.event(&id, "sandbox.snapshot", json!({ "snapshot_id": row.id }));
     Ok((
         StatusCode::CREATED,
         Json(crate::snapshots::snapshot_json(&row)),

@@ -114,7 +114,8 @@ pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Valu
     for row in &own {
         items.push(own_json(&cp, &account, row).await);
     }
-    Ok(Json(json!({ "items": items })))
+    // An array, as PandaStack's server answers (the SDK reads either).
+    Ok(Json(Value::Array(items)))
 }
 
 pub async fn get(

@@ -1042,6 +1042,15 @@ impl Engine {
             .and_then(|pid| process_usage(&self.config.proc_root, pid)))
     }
 
+    /// Its QEMU process as `/proc` shows it; None while it has none
+    /// (hibernated).
+    pub fn process_stat(&self, id: &str) -> Result<Option<ProcessStat>> {
+        let vm = self.vm(id)?;
+        Ok(vm
+            .pid()
+            .and_then(|pid| process_stat(&self.config.proc_root, pid)))
+    }
+
     /// Moves every thread of a sandbox's QEMU process to `priority` (see
     /// [`priority`]). A sandbox without a process (hibernated) has none to
     /// move.
@@ -1245,14 +1254,47 @@ fn lock_file(path: &Path, wait: bool) -> Result<std::fs::File> {
 /// User plus system CPU time of a process, from `/proc/PID/stat` alone
 /// (cheap, unlike the memory figures of [`process_usage`]).
 pub fn process_cpu_seconds(proc_root: &Path, pid: u32) -> Option<f64> {
+    process_stat(proc_root, pid).map(|s| s.cpu_seconds)
+}
+
+/// A process as `/proc/<pid>/stat` shows it (what `GET .../metrics`
+/// reports of a sandbox's QEMU).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProcessStat {
+    pub pid: u32,
+    /// User + system time.
+    pub cpu_seconds: f64,
+    pub vsize_bytes: u64,
+    pub rss_bytes: u64,
+    pub threads: u64,
+    /// Since the process started.
+    pub uptime_seconds: f64,
+}
+
+pub fn process_stat(proc_root: &Path, pid: u32) -> Option<ProcessStat> {
     let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    // Fields after the command name, which may itself hold spaces.
+    // Fields after the command name, which may itself hold spaces; field
+    // n of proc(5) is fields[n - 3].
     let after = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    let number = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Some(ticks / hz)
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let booted_for: f64 = std::fs::read_to_string(proc_root.join("uptime"))
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(ProcessStat {
+        pid,
+        cpu_seconds: (number(14)? + number(15)?) as f64 / hz,
+        threads: number(20)?,
+        uptime_seconds: (booted_for - number(22)? as f64 / hz).max(0.0),
+        vsize_bytes: number(23)?,
+        rss_bytes: number(24)? * page,
+    })
 }
 
 /// CPU seconds (user + system, from `stat`) and Pss/Rss (from
@@ -1288,6 +1330,14 @@ mod tests {
         assert!(!valid_id("../etc"));
         assert!(!valid_id(""));
         assert!(!valid_id("UPPER"));
+    }
+
+    #[test]
+    fn stat_reads_this_process() {
+        let stat = process_stat(Path::new("/proc"), std::process::id()).unwrap();
+        assert_eq!(stat.pid, std::process::id());
+        assert!(stat.threads >= 1 && stat.rss_bytes > 0 && stat.vsize_bytes >= stat.rss_bytes);
+        assert!(stat.uptime_seconds >= 0.0 && stat.uptime_seconds < 86_400.0 * 365.0);
     }
 
     #[test]

@@ -42,7 +42,7 @@
 
 use crate::limits::{self, AccountRates, FailedAuths, FrontLimits};
 use crate::{
-    bearer, fleet_token_matches, refuse, FleetConfig, JoinRequest, Joined, HEARTBEAT_INTERVAL,
+    api_token, bearer, fleet_token_matches, refuse, FleetConfig, JoinRequest, Joined, HEARTBEAT_INTERVAL,
     STALE_AFTER,
 };
 use axum::body::{Body, Bytes};
@@ -262,13 +262,13 @@ impl Front {
             return Err(limits::address_refused(wait));
         }
         let presented = parts.headers.get(header::AUTHORIZATION);
-        let Some(token) = bearer(&parts.headers) else {
+        let Some(token) = api_token(parts) else {
             if let (Some(ip), Some(_)) = (source, presented) {
                 self.failed_auths.failed(ip, Instant::now());
             }
             return Err(unauthorized());
         };
-        let key = shoal_store::token_hash(token);
+        let key = shoal_store::token_hash(&token);
         let cached = self
             .tokens
             .lock()
@@ -281,7 +281,7 @@ impl Front {
             None => {
                 let Some(account) = self
                     .store
-                    .authenticate(token)
+                    .authenticate(&token)
                     .await
                     .map_err(database_error)?
                 else {

@@ -37,6 +37,17 @@ fn fleet_token_matches(headers: &axum::http::HeaderMap, token: &str) -> bool {
     same_secret(bearer(headers).unwrap_or(""), token)
 }
 
+/// The API token a tenant's request carries (`Authorization: Bearer`,
+/// `X-API-Key` or `?access_token=`).
+fn api_token(parts: &axum::http::request::Parts) -> Option<String> {
+    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    shoal_store::request_token(
+        header(axum::http::header::AUTHORIZATION.as_str()),
+        header("x-api-key"),
+        parts.uri.query(),
+    )
+}
+
 /// The bearer token of a request's `Authorization` header, if any.
 fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
     headers

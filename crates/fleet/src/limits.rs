@@ -38,7 +38,7 @@ pub const FORWARDED_BODY_MAX: usize = 64 << 20;
 /// Routes an agent serves without a token; the front forwards them without
 /// one too (`/healthz` the front answers itself).
 pub fn is_open(path: &str) -> bool {
-    matches!(path, "/healthz" | "/v1/openapi.json")
+    matches!(path, "/healthz" | "/version" | "/v1/openapi.json")
 }
 
 /// One account's request rate.

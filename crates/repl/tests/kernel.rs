@@ -7,15 +7,23 @@
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// The longest a test waits for any one reply line: a kernel that never
+/// answers fails its test instead of hanging the suite.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One kernel process, killed (by its pid) when dropped.
 struct Kernel {
     child: Child,
     stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    /// Lines of its stdout, read by a thread of their own (which ends when
+    /// the kernel's stdout closes), so reads can time out.
+    lines: Receiver<std::io::Result<String>>,
     next_id: u64,
     pid: u32,
 }
@@ -32,11 +40,27 @@ impl Kernel {
             .spawn()
             .expect("python3 runs on this host");
         let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || loop {
+            let mut line = String::new();
+            match stdout.read_line(&mut line) {
+                Ok(0) => return,
+                Ok(_) => {
+                    if tx.send(Ok(line)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            }
+        });
         let mut kernel = Kernel {
             child,
             stdin,
-            stdout,
+            lines,
             next_id: 1,
             pid: 0,
         };
@@ -48,9 +72,19 @@ impl Kernel {
     }
 
     fn read_line(&mut self) -> Value {
-        let mut line = String::new();
-        let n = self.stdout.read_line(&mut line).unwrap();
-        assert!(n > 0, "the kernel closed its stdout");
+        self.read_line_within(REPLY_TIMEOUT)
+    }
+
+    /// The next protocol line; panics (the kernel is killed on drop) if
+    /// none comes within `timeout`.
+    fn read_line_within(&mut self, timeout: Duration) -> Value {
+        let line = match self.lines.recv_timeout(timeout) {
+            Ok(line) => line.expect("reading the kernel's stdout"),
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("no line from the kernel in {timeout:?}")
+            }
+            Err(RecvTimeoutError::Disconnected) => panic!("the kernel closed its stdout"),
+        };
         assert!(line.ends_with('\n'));
         assert!(line.is_ascii(), "protocol lines are ASCII");
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}"))
@@ -333,22 +367,66 @@ fn rich_representations_make_a_mime_bundle() {
     assert_eq!(results(&reply)[0].as_object().unwrap().len(), 1);
 }
 
+/// A directory of this test process's own, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("shoal-repl-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Waits for `marker` to exist: the cell that makes it has started (its
+/// output is the cell's, captured, so it cannot be read before the reply).
+fn wait_for_marker(marker: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !marker.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the cell never wrote {}",
+            marker.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn sigint_interrupts_a_cell_and_is_ignored_between_cells() {
     let mut k = Kernel::start();
+    let scratch = Scratch::new("sigint");
     k.run("counter = 1");
     // Between cells: ignored.
     k.sigint();
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(k.value("counter"), "1");
-    for code in [
+    for (n, body) in [
         "while True:\n    counter += 1",
         "import time\ntime.sleep(60)",
-    ] {
-        let id = k.send(code);
-        std::thread::sleep(Duration::from_millis(300));
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // A SIGINT before the cell runs would be ignored (between cells) and
+        // the cell would never end: interrupt only once it has started.
+        let marker = scratch.path().join(format!("started-{n}"));
+        let code = format!("open({:?}, 'w').close()\n{body}", marker.to_str().unwrap());
+        let id = k.send(&code);
+        wait_for_marker(&marker);
         k.sigint();
-        let reply = k.read_line();
+        let reply = k.read_line_within(Duration::from_secs(30));
         assert_eq!(reply["id"], json!(id));
         assert_eq!(reply["exit_code"], 1);
         let error = reply["error"].as_str().unwrap();

@@ -31,6 +31,7 @@ mod accounts;
 mod apps;
 mod blobs;
 mod builds;
+mod events;
 mod host_credentials;
 mod host_roles;
 mod hosts;
@@ -53,9 +54,13 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-pub use accounts::{bearer_token, token_hash};
+pub use accounts::{
+    bearer_token, request_token, token_hash, TokenInfo, TokenRefusal, MAX_TOKENS_PER_ACCOUNT,
+    MAX_TOKEN_LABEL,
+};
 pub use blobs::{staging_key, OutputChunk, BLOB_CHUNK};
 pub use builds::BUILD_LIST_LIMIT;
+pub use events::{SandboxEvent, EVENTS_KEPT};
 pub use host_credentials::JoinRefusal;
 pub use host_roles::host_database_url;
 pub use hosts::PLACEMENT_TIMEOUT_SECONDS;

@@ -109,6 +109,11 @@ const SQLITE: &[Embedded] = &[
         "job data",
         include_str!("../migrations/sqlite/0017_job_data.sql"),
     ),
+    (
+        18,
+        "tokens and events",
+        include_str!("../migrations/sqlite/0018_tokens_events.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -196,6 +201,11 @@ const POSTGRES: &[Embedded] = &[
         17,
         "job data",
         include_str!("../migrations/postgres/0017_job_data.sql"),
+    ),
+    (
+        18,
+        "tokens and events",
+        include_str!("../migrations/postgres/0018_tokens_events.sql"),
     ),
 ];
 

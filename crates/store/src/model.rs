@@ -262,6 +262,8 @@ pub struct SandboxPatch {
     pub max_lifetime_seconds: Option<u64>,
     pub deleted_at: Option<f64>,
     pub status_reason: Option<String>,
+    /// Replaces the whole metadata object.
+    pub metadata: Option<Metadata>,
     /// Apply only while the sandbox has this status (e.g. do not mark a
     /// sandbox `running` that a delete has already marked `deleted`).
     pub if_status: Option<String>,

@@ -46,7 +46,8 @@ const UPDATE: &str = "UPDATE sandboxes SET \
      persistent = COALESCE($8, persistent), \
      max_lifetime_seconds = COALESCE($9, max_lifetime_seconds), \
      deleted_at = COALESCE($10, deleted_at), \
-     status_reason = COALESCE($12, status_reason) \
+     status_reason = COALESCE($12, status_reason), \
+     metadata = COALESCE($13, metadata) \
      WHERE id = $1 AND ($11 IS NULL OR status = $11)";
 
 /// `last_activity_at` only moves forward.
@@ -290,6 +291,7 @@ impl Store {
                 .bind(patch.deleted_at)
                 .bind(&patch.if_status)
                 .bind(&patch.status_reason)
+                .bind(patch.metadata.as_ref().map(row::metadata_to_json))
                 .execute(pool)
                 .await?
                 .rows_affected()

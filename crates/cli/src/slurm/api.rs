@@ -95,7 +95,7 @@ impl Api {
         let v = self
             .call(reqwest::Method::GET, "/v1/templates", None)
             .await?;
-        Ok(v["items"].as_array().cloned().unwrap_or_default())
+        Ok(v.as_array().cloned().unwrap_or_default())
     }
 
     pub async fn create_sweep(&self, body: &Value) -> Result<Value> {
