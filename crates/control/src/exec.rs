@@ -231,7 +231,16 @@ pub async fn exec_stream(
     tokio::spawn(async move {
         let (mut stdout, mut stderr) = (Utf8Decoder::default(), Utf8Decoder::default());
         loop {
-            let event = match handle.next_event().await {
+            // A silent command is killed as soon as its client goes, not
+            // at its next output.
+            let next = tokio::select! {
+                next = handle.next_event() => next,
+                _ = tx.closed() => {
+                    let _ = handle.signal(9).await;
+                    return;
+                }
+            };
+            let event = match next {
                 Ok(ExecEvent::Stdout(bytes)) => {
                     sse("stdout", json!({ "chunk": stdout.push(&bytes) }))
                 }
@@ -561,4 +570,224 @@ async fn bridge_pty(
         }
     }
     exit
+}
+
+// ---- many commands over one WebSocket ----
+
+/// Commands one multiplexed socket may have in flight at once.
+pub const WS_MAX_IN_FLIGHT: usize = 256;
+/// The longest message a multiplexed-exec client may send (one command).
+const WS_MAX_MESSAGE: usize = 1 << 20;
+/// The longest request id a client may tag a command with.
+const WS_MAX_ID: usize = 128;
+/// Answers waiting for a slow client: past this, commands wait (and so, by
+/// the agent's flow control, does their output in the guest).
+const WS_OUTBOX: usize = 64;
+
+/// A client's message on the multiplexed socket.
+#[derive(Deserialize)]
+struct WsRequest {
+    id: Option<String>,
+    cmd: Option<String>,
+    timeout_seconds: Option<f64>,
+    #[serde(default)]
+    cancel: bool,
+}
+
+/// `GET /v1/sandboxes/{id}/exec/ws`: many commands over one WebSocket,
+/// PandaStack's protocol. A client sends `{"id", "cmd", "timeout_seconds"}`
+/// to start a command and `{"id", "cancel": true}` to kill it; the server
+/// answers `{"id", "stream": "stdout"|"stderr", "data"}` as output comes,
+/// then `{"id", "exit": code}` or `{"id", "error": "..."}`. Commands run at
+/// once, each on its own; closing the socket kills those still running.
+pub async fn exec_ws(
+    State(cp): State<Arc<ControlPlane>>,
+    Caller(account): Caller,
+    Path(id): Path<String>,
+    upgrade: axum::extract::ws::WebSocketUpgrade,
+) -> ApiResult<Response> {
+    cp.running(&account, &id).await?;
+    Ok(upgrade
+        .max_message_size(WS_MAX_MESSAGE)
+        .max_frame_size(WS_MAX_MESSAGE)
+        .on_upgrade(move |socket| serve_exec_ws(cp, id, socket)))
+}
+
+async fn serve_exec_ws(cp: Arc<ControlPlane>, id: String, socket: axum::extract::ws::WebSocket) {
+    use axum::extract::ws::Message;
+    use futures::{SinkExt as _, StreamExt as _};
+    let (mut to_client, mut from_client) = socket.split();
+    let (outbox, mut outgoing) = tokio::sync::mpsc::channel::<Value>(WS_OUTBOX);
+    let writer = tokio::spawn(async move {
+        let mut ping = tokio::time::interval(PTY_PING);
+        loop {
+            let message = tokio::select! {
+                answer = outgoing.recv() => match answer {
+                    Some(answer) => Message::Text(answer.to_string().into()),
+                    None => break,
+                },
+                _ = ping.tick() => Message::Ping(Vec::new().into()),
+            };
+            let sent = tokio::time::timeout(PTY_CLIENT_SILENCE, to_client.send(message)).await;
+            if !matches!(sent, Ok(Ok(()))) {
+                break;
+            }
+        }
+    });
+    // Request id -> the kill switch of its command.
+    let live: Arc<std::sync::Mutex<BTreeMap<String, tokio::sync::oneshot::Sender<()>>>> =
+        Arc::default();
+    let mut heard = tokio::time::Instant::now();
+    let mut silence = tokio::time::interval(PTY_PING);
+    loop {
+        let message = tokio::select! {
+            message = from_client.next() => message,
+            _ = silence.tick() => {
+                if heard.elapsed() > PTY_CLIENT_SILENCE || writer.is_finished() {
+                    break;
+                }
+                continue;
+            }
+        };
+        heard = tokio::time::Instant::now();
+        let text = match message {
+            None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break,
+            Some(Ok(Message::Text(text))) => text,
+            Some(Ok(_)) => continue,
+        };
+        let request: WsRequest = match serde_json::from_str(&text) {
+            Ok(request) => request,
+            Err(e) => {
+                let _ = outbox.send(json!({ "error": format!("bad json: {e}") })).await;
+                continue;
+            }
+        };
+        let Some(request_id) = request.id.filter(|i| !i.is_empty() && i.len() <= WS_MAX_ID) else {
+            let _ = outbox
+                .send(json!({ "error": format!("id required (1 to {WS_MAX_ID} characters)") }))
+                .await;
+            continue;
+        };
+        if request.cancel {
+            let kill = live.lock().unwrap().remove(&request_id);
+            if let Some(kill) = kill {
+                let _ = kill.send(());
+            }
+            continue;
+        }
+        let refusal = |message: String| json!({ "id": request_id, "error": message });
+        let exec = ExecBody {
+            cmd: request.cmd,
+            timeout_seconds: request.timeout_seconds,
+            ..ExecBody::default()
+        };
+        let (exec, shown_timeout) = match exec.request() {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                let _ = outbox.send(refusal(e.message)).await;
+                continue;
+            }
+        };
+        let (kill, killed) = tokio::sync::oneshot::channel();
+        let refused = {
+            let mut live = live.lock().unwrap();
+            if live.contains_key(&request_id) {
+                Some(format!("command {request_id} is already running"))
+            } else if live.len() >= WS_MAX_IN_FLIGHT {
+                Some(format!("at most {WS_MAX_IN_FLIGHT} commands in flight on one socket"))
+            } else {
+                live.insert(request_id.clone(), kill);
+                None
+            }
+        };
+        if let Some(message) = refused {
+            let _ = outbox.send(refusal(message)).await;
+            continue;
+        }
+        let (cp, id, outbox, live) = (cp.clone(), id.clone(), outbox.clone(), live.clone());
+        tokio::spawn(async move {
+            let last = run_ws_command(&cp, &id, &request_id, exec, shown_timeout, killed, &outbox)
+                .await;
+            live.lock().unwrap().remove(&request_id);
+            if let Some(last) = last {
+                let _ = outbox.send(last).await;
+            }
+        });
+    }
+    // The client went: every command still running goes with it.
+    for (_, kill) in std::mem::take(&mut *live.lock().unwrap()) {
+        let _ = kill.send(());
+    }
+    writer.abort();
+}
+
+/// Runs one command of a multiplexed socket, sending its output to
+/// `outbox`; yields its last answer (`exit` or `error`), or None when it
+/// was cancelled or the client is gone.
+async fn run_ws_command(
+    cp: &Arc<ControlPlane>,
+    id: &str,
+    request_id: &str,
+    exec: ExecRequest,
+    shown_timeout: Option<f64>,
+    mut killed: tokio::sync::oneshot::Receiver<()>,
+    outbox: &tokio::sync::mpsc::Sender<Value>,
+) -> Option<Value> {
+    let error = |message: String| Some(json!({ "id": request_id, "error": message }));
+    let agent = match cp.host.engine().agent(id).await {
+        Ok(agent) => agent,
+        Err(e) => return error(e.to_string()),
+    };
+    let mut activity = match Activity::start(cp, id, Some(&exec.cmd)).await {
+        Ok(activity) => activity,
+        Err(e) => return error(e.message),
+    };
+    let host_deadline = exec.timeout.map(|t| t + GUEST_TIMEOUT_MARGIN);
+    let mut handle = match agent.exec(exec).await {
+        Ok(handle) => handle,
+        Err(e) => return error(format!("guest agent: {e}")),
+    };
+    let deadline = async {
+        match host_deadline {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(deadline);
+    let (mut stdout, mut stderr) = (Utf8Decoder::default(), Utf8Decoder::default());
+    loop {
+        let event = tokio::select! {
+            event = handle.next_event() => event,
+            _ = &mut killed => {
+                let _ = handle.signal(9).await;
+                return None;
+            }
+            _ = &mut deadline => {
+                let _ = handle.signal(9).await;
+                activity.timed_out();
+                return error(format!("{} (the guest did not answer)", timeout_message(shown_timeout)));
+            }
+        };
+        let (stream, data) = match event {
+            Ok(ExecEvent::Stdout(bytes)) => ("stdout", stdout.push(&bytes)),
+            Ok(ExecEvent::Stderr(bytes)) => ("stderr", stderr.push(&bytes)),
+            Ok(ExecEvent::Exit(status)) if status.timed_out => {
+                activity.timed_out();
+                return error(timeout_message(shown_timeout));
+            }
+            Ok(ExecEvent::Exit(status)) => {
+                activity.exited(exit_code(&status), status.duration_ms);
+                return Some(json!({ "id": request_id, "exit": exit_code(&status) }));
+            }
+            Err(e) => return error(format!("guest agent: {e}")),
+        };
+        if data.is_empty() {
+            continue;
+        }
+        let answer = json!({ "id": request_id, "stream": stream, "data": data });
+        if outbox.send(answer).await.is_err() {
+            let _ = handle.signal(9).await;
+            return None;
+        }
+    }
 }

@@ -2,7 +2,7 @@
 //! guest agent), delete, list a directory, stat a path.
 
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{read_limited, Caller};
+use crate::extract::Caller;
 use crate::ControlPlane;
 use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{header, StatusCode};
@@ -13,8 +13,9 @@ use serde_json::{json, Value};
 use shoal_proto::FileStat;
 use std::sync::Arc;
 
-/// Uploads larger than this are refused with 413.
-pub const MAX_UPLOAD: usize = 32 << 20;
+/// Uploads larger than this are refused with 413 (streamed to the guest,
+/// never held whole).
+pub const MAX_UPLOAD: u64 = 1 << 30;
 
 type St = State<Arc<ControlPlane>>;
 
@@ -84,18 +85,37 @@ pub async fn write(
     RawQuery(q): RawQuery,
     request: Request,
 ) -> ApiResult<Json<Value>> {
+    use futures::TryStreamExt as _;
+    use tokio::io::AsyncReadExt as _;
     let path = query_path(q)?;
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("upload exceeds {MAX_UPLOAD} bytes"),
+        )
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_UPLOAD) {
+        return Err(too_large());
+    }
     cp.running(&account, &id).await?;
-    let bytes = read_limited(request, MAX_UPLOAD)
-        .await
-        .map_err(|e| match e.status {
-            StatusCode::PAYLOAD_TOO_LARGE => {
-                ApiError::new(e.status, format!("upload exceeds {MAX_UPLOAD} bytes"))
-            }
-            _ => e,
-        })?;
     let agent = cp.host.engine().agent(&id).await?;
-    let written = agent.write_file(&path, None, &bytes[..]).await?;
+    let body = request
+        .into_body()
+        .into_data_stream()
+        .map_err(std::io::Error::other);
+    // One byte past the limit tells an undeclared upload that is too large.
+    let reader = tokio_util::io::StreamReader::new(body).take(MAX_UPLOAD + 1);
+    let written = agent.write_file(&path, None, reader).await?;
+    if written > MAX_UPLOAD {
+        // Nothing half-written stays behind a refusal.
+        let _ = agent.remove(&path, false).await;
+        return Err(too_large());
+    }
     Ok(Json(json!({ "path": path, "bytes": written })))
 }
 

@@ -265,6 +265,7 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         .route(&format!("{sandbox}/exec"), post(exec::exec))
         .route(&format!("{sandbox}/exec/stream"), post(exec::exec_stream))
         .route(&format!("{sandbox}/exec/pty"), get(exec::pty))
+        .route(&format!("{sandbox}/exec/ws"), get(exec::exec_ws))
         .route(
             &format!("{sandbox}/fs"),
             get(files::read).put(files::write).delete(files::remove),

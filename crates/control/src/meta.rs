@@ -203,7 +203,7 @@ pub async fn logs(
     Caller(account): Caller,
     Path(id): Path<String>,
     RawQuery(q): RawQuery,
-) -> ApiResult<impl IntoResponse> {
+) -> ApiResult<axum::response::Response> {
     let params = query(q.as_deref())?;
     if let Some(stream) = params.get("stream") {
         if !matches!(stream.as_str(), "stdout" | "stderr" | "both") {
@@ -212,18 +212,130 @@ pub async fn logs(
             ));
         }
     }
-    if let Some(follow) = params.get("follow") {
-        if !matches!(follow.as_str(), "true" | "false" | "1" | "0") {
-            return Err(ApiError::bad_request("follow must be true or false"));
-        }
-    }
+    let follow = match params.get("follow").map(String::as_str) {
+        None | Some("false" | "0") => false,
+        Some("true" | "1") => true,
+        Some(_) => return Err(ApiError::bad_request("follow must be true or false")),
+    };
     cp.owned(&account, &id).await?;
     let path = cp.host.engine().console_log(&id)?;
     let text = log_tail(&path, MAX_LOG_TAIL).await.unwrap_or_default();
+    if follow {
+        return Ok(follow_log(cp, account, id, path, text).into_response());
+    }
     Ok((
         [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
         String::from_utf8_lossy(&text).into_owned(),
-    ))
+    )
+        .into_response())
+}
+
+/// How often a followed console log is read again.
+const LOG_FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+/// A followed log line longer than this is sent in pieces.
+const LOG_FOLLOW_MAX_LINE: usize = 64 << 10;
+/// How often a follower checks that the sandbox still lives.
+const LOG_FOLLOW_ALIVE_EVERY: u32 = 20;
+
+/// `logs?follow=true`: server-sent `line` events, `{"line": "..."}` each
+/// (what the SDK's `logs(follow=True)` reads), first the log's end, then
+/// each line as the guest writes it, until the sandbox is gone or the
+/// client leaves. Keep-alive comments every 15 s.
+fn follow_log(
+    cp: Arc<ControlPlane>,
+    account: shoal_store::Account,
+    id: String,
+    path: std::path::PathBuf,
+    tail: Vec<u8>,
+) -> impl IntoResponse {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    struct Follow {
+        cp: Arc<ControlPlane>,
+        account: shoal_store::Account,
+        id: String,
+        path: std::path::PathBuf,
+        offset: u64,
+        partial: Vec<u8>,
+        ready: std::collections::VecDeque<String>,
+        polls: u32,
+    }
+    let offset = std::fs::metadata(&path).map_or(0, |m| m.len());
+    let mut state = Follow {
+        cp,
+        account,
+        id,
+        path,
+        offset,
+        partial: Vec::new(),
+        ready: Default::default(),
+        polls: 0,
+    };
+    split_lines(&mut state.partial, &tail, &mut state.ready, true);
+    let stream = futures::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(line) = s.ready.pop_front() {
+                let event = crate::exec::sse("line", json!({ "line": line }));
+                return Some((Ok::<Event, std::convert::Infallible>(event), s));
+            }
+            tokio::time::sleep(LOG_FOLLOW_POLL).await;
+            s.polls += 1;
+            if s.polls % LOG_FOLLOW_ALIVE_EVERY == 0
+                && s.cp.store.get_sandbox(s.account.id, &s.id).await.ok().flatten().is_none_or(|r| !r.is_live())
+            {
+                return None;
+            }
+            let len = tokio::fs::metadata(&s.path).await.map_or(0, |m| m.len());
+            if len < s.offset {
+                s.offset = 0;
+            }
+            if len == s.offset {
+                continue;
+            }
+            let Ok(mut file) = tokio::fs::File::open(&s.path).await else {
+                return None;
+            };
+            if file.seek(std::io::SeekFrom::Start(s.offset)).await.is_err() {
+                return None;
+            }
+            let mut fresh = Vec::new();
+            let want = (len - s.offset).min(MAX_LOG_TAIL);
+            if (&mut file).take(want).read_to_end(&mut fresh).await.is_err() {
+                return None;
+            }
+            s.offset += fresh.len() as u64;
+            let Follow { partial, ready, .. } = &mut s;
+            split_lines(partial, &fresh, ready, false);
+        }
+    });
+    Sse::new(stream).keep_alive(
+        KeepAlive::new()
+            .interval(std::time::Duration::from_secs(15))
+            .text("keep-alive"),
+    )
+}
+
+/// Appends `bytes` to `partial` and moves its whole lines (and pieces of
+/// [`LOG_FOLLOW_MAX_LINE`]) to `ready`; with `flush`, the rest too.
+fn split_lines(
+    partial: &mut Vec<u8>,
+    bytes: &[u8],
+    ready: &mut std::collections::VecDeque<String>,
+    flush: bool,
+) {
+    partial.extend_from_slice(bytes);
+    loop {
+        let cut = match partial.iter().position(|&b| b == b'\n') {
+            Some(newline) if newline <= LOG_FOLLOW_MAX_LINE => newline + 1,
+            _ if partial.len() >= LOG_FOLLOW_MAX_LINE => LOG_FOLLOW_MAX_LINE,
+            _ => break,
+        };
+        let line: Vec<u8> = partial.drain(..cut).collect();
+        ready.push_back(String::from_utf8_lossy(&line).trim_end_matches(['\r', '\n']).to_string());
+    }
+    if flush && !partial.is_empty() {
+        ready.push_back(String::from_utf8_lossy(partial).into_owned());
+        partial.clear();
+    }
 }
 
 /// The last `max` bytes of a file; when that cuts the file, from the first

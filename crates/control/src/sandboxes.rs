@@ -218,6 +218,16 @@ pub struct CreateBody {
 /// done on them.
 const MAX_SECONDS: i64 = 10 * 365 * 86400;
 
+/// A field that is present, `null` included (`Some(None)`); absent is
+/// `None` by `#[serde(default)]`.
+fn present<'de, D, T>(deserializer: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(deserializer).map(Some)
+}
+
 fn seconds(field: &str, value: Option<i64>) -> ApiResult<Option<u64>> {
     match value {
         Some(v) if v < 0 => Err(ApiError::bad_request(format!(
@@ -597,8 +607,14 @@ async fn fork_children(
         {
             Ok(row) => rows.push(row),
             Err(e) => {
-                for row in &rows {
-                    cp.mark_failed(&row.id).await;
+                // Refused part-way: the children admitted so far never ran
+                // and must not count as creates (all or nothing).
+                let ids: Vec<String> = rows.iter().map(|r| r.id.clone()).collect();
+                if let Err(withdrawn) = cp.store.withdraw_admissions(&ids).await {
+                    tracing::error!(error = %withdrawn, "withdrawing a refused fork's children");
+                    for row in &rows {
+                        cp.mark_failed(&row.id).await;
+                    }
                 }
                 return Err(e.into());
             }
@@ -790,7 +806,9 @@ pub async fn lifecycle(
 #[derive(Deserialize, Default)]
 #[serde(default)]
 pub struct LifecycleBody {
-    ttl_seconds: Option<i64>,
+    /// `Some(None)`: an explicit `null`, the server's default again.
+    #[serde(deserialize_with = "present")]
+    ttl_seconds: Option<Option<i64>>,
     persistent: Option<bool>,
     max_lifetime_seconds: Option<i64>,
 }
@@ -801,7 +819,11 @@ pub async fn set_lifecycle(
     Path(id): Path<String>,
     Body(body): Body<LifecycleBody>,
 ) -> ApiResult<Json<Value>> {
-    let ttl = seconds("ttl_seconds", body.ttl_seconds)?;
+    let ttl = match body.ttl_seconds {
+        Some(None) => Some(DEFAULT_TTL_SECONDS),
+        Some(Some(v)) => seconds("ttl_seconds", Some(v))?,
+        None => None,
+    };
     let max_lifetime = seconds("max_lifetime_seconds", body.max_lifetime_seconds)?;
     cp.owned(&account, &id).await?;
     let patch = SandboxPatch {

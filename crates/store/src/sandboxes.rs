@@ -24,6 +24,8 @@ macro_rules! live {
     };
 }
 
+const WITHDRAW: &str = "DELETE FROM sandboxes WHERE id = $1 AND status = $2";
+
 /// Length of the window of the hourly create quota, in seconds.
 const HOUR: f64 = 3600.0;
 
@@ -272,6 +274,20 @@ impl Store {
             deleted_at: None,
             status_reason: None,
         })
+    }
+
+    /// Takes back admissions that never ran (rows still `creating`, without
+    /// volumes): the rows go, so they count against no quota. For a batch
+    /// refused part-way (a fork tree), all or nothing.
+    pub async fn withdraw_admissions(&self, ids: &[String]) -> Result<()> {
+        on_writer!(self, pool => {
+            let mut tx = pool.begin().await?;
+            for id in ids {
+                sqlx::query(WITHDRAW).bind(id).bind(status::CREATING).execute(&mut *tx).await?;
+            }
+            tx.commit().await?;
+        });
+        Ok(())
     }
 
     /// Writes the `Some` fields of `patch`. False if no row changed: no such
