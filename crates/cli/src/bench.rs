@@ -348,6 +348,7 @@ pub async fn api(args: ApiBenchArgs) -> Result<()> {
         progress.inc(1);
     }
     progress.finish_and_clear();
+    let ws = ws_exec_rtt(&base, &args.token, &id, args.exec_samples).await?;
 
     let deadline = Instant::now() + Duration::from_secs(args.get_seconds);
     let url = reqwest::Url::parse(&format!("{base}/v1/sandboxes/{id}"))?;
@@ -369,6 +370,13 @@ pub async fn api(args: ApiBenchArgs) -> Result<()> {
         "create_overhead_ms": summary(&overhead_ms),
         "exec_rtt_ms": summary(&exec_rtt_ms),
         "exec_spacing_ms": EXEC_SPACING.as_millis() as u64,
+        "ws_exec_rtt_ms": summary(&ws.rtt_ms),
+        "ws_exec_burst": {
+            "commands": ws.burst_commands,
+            "in_flight": ws.burst_commands,
+            "seconds": round(ws.burst_seconds),
+            "per_second": round(ws.burst_commands as f64 / ws.burst_seconds),
+        },
         "get_rps": round(get_rps),
         "get_connections": args.connections,
     });
@@ -376,6 +384,67 @@ pub async fn api(args: ApiBenchArgs) -> Result<()> {
         .with_context(|| format!("writing {}", args.json.display()))?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+struct WsExec {
+    rtt_ms: Vec<f64>,
+    burst_commands: usize,
+    burst_seconds: f64,
+}
+
+/// Exec round trips over one multiplexed WebSocket (`/exec/ws`): `samples`
+/// one at a time with the HTTP exec's spacing, then 100 sent at once.
+async fn ws_exec_rtt(base: &str, token: &str, id: &str, samples: usize) -> Result<WsExec> {
+    use futures::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    let ws_base = base
+        .replacen("https://", "wss://", 1)
+        .replacen("http://", "ws://", 1);
+    let url = format!("{ws_base}/v1/sandboxes/{id}/exec/ws?access_token={token}");
+    let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
+    async fn answer(
+        socket: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin),
+    ) -> Result<serde_json::Value> {
+        loop {
+            match socket.next().await {
+                Some(Ok(Message::Text(text))) => return Ok(serde_json::from_str(&text)?),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Err(e.into()),
+                None => anyhow::bail!("the exec socket closed"),
+            }
+        }
+    }
+    let mut rtt_ms = Vec::new();
+    for i in 0..samples {
+        tokio::time::sleep(EXEC_SPACING).await;
+        let start = Instant::now();
+        let request = json!({ "id": format!("rtt-{i}"), "cmd": "true" });
+        socket.send(Message::Text(request.to_string().into())).await?;
+        let reply = answer(&mut socket).await?;
+        anyhow::ensure!(reply["exit"] == 0, "ws exec answered {reply}");
+        rtt_ms.push(ms(start));
+    }
+    let burst_commands = 100;
+    let start = Instant::now();
+    for i in 0..burst_commands {
+        let request = json!({ "id": format!("burst-{i}"), "cmd": "true" });
+        socket.send(Message::Text(request.to_string().into())).await?;
+    }
+    let mut exited = 0;
+    while exited < burst_commands {
+        let reply = answer(&mut socket).await?;
+        anyhow::ensure!(reply.get("error").is_none(), "ws exec answered {reply}");
+        if reply.get("exit").is_some() {
+            exited += 1;
+        }
+    }
+    let burst_seconds = start.elapsed().as_secs_f64();
+    let _ = socket.close(None).await;
+    Ok(WsExec {
+        rtt_ms,
+        burst_commands,
+        burst_seconds,
+    })
 }
 
 /// GETs `url` on one kept-alive HTTP/1.1 connection until `deadline`;

@@ -147,6 +147,9 @@ enum Command {
     /// A shell (or `-- CMD`) in the sandbox a failed task left behind
     /// (`sbatch --keep-failed`).
     Debug(slurm::DebugArgs),
+    /// An interactive terminal in a running sandbox (over the API's
+    /// WebSocket terminal; exits with the shell's code).
+    Shell(slurm::ShellArgs),
     /// How well a job used the CPUs and memory it asked for, and the cost.
     Seff(slurm::SeffArgs),
     /// The fleet's partitions (templates) and hosts, as Slurm's sinfo.
@@ -462,6 +465,7 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Scancel(args) => slurm::scancel(args).await,
         Command::Scontrol(args) => slurm::scontrol(args).await,
         Command::Debug(args) => slurm::debug(args).await,
+        Command::Shell(args) => slurm::shell(args).await,
         Command::Seff(args) => slurm::seff(args).await,
         Command::Sinfo(args) => slurm::sinfo(args).await,
         Command::Sync(args) => slurm::sync(args).await,

@@ -187,6 +187,13 @@ async fn terminal(config: &Config, sandbox: &str, cwd: Option<&str>) -> Result<i
     Ok(code)
 }
 
+/// `shoal shell ID`: an interactive shell in a running sandbox (Slurm's
+/// `salloc` + `srun --pty bash`: a persistent sandbox with a terminal
+/// attached); its exit code.
+pub async fn shell(sandbox: &str) -> Result<i32> {
+    terminal(&Config::load()?, sandbox, None).await
+}
+
 /// `shoal debug`: runs `command` in the task's kept sandbox (printing its
 /// output), or opens a shell there; returns the exit code.
 pub async fn debug(target: &str, command: &[String]) -> Result<i32> {

@@ -186,6 +186,18 @@ pub async fn debug(args: DebugArgs) -> Result<ExitCode> {
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
 
+/// `shoal shell ID`.
+#[derive(Args)]
+pub struct ShellArgs {
+    /// The sandbox to open a terminal in.
+    pub sandbox: String,
+}
+
+pub async fn shell(args: ShellArgs) -> Result<ExitCode> {
+    let code = debug::shell(&args.sandbox).await?;
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
+
 pub async fn seff(args: SeffArgs) -> Result<ExitCode> {
     let config = config::Config::load()?;
     let api = api::Api::new(&config)?;
