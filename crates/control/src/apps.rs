@@ -987,7 +987,10 @@ async fn hibernate(cp: &ControlPlane, app: &AppRow) {
         tracing::warn!(id = app.id, error = %e, "hibernating an app");
         return;
     }
-    if let Err(e) = cp.set_status(&sandbox, "hibernated", "sandbox.hibernated").await {
+    if let Err(e) = cp
+        .set_status(&sandbox, "hibernated", "sandbox.hibernated")
+        .await
+    {
         tracing::warn!(
             id = app.id,
             error = e.message,

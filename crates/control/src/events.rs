@@ -70,7 +70,11 @@ impl EventLog {
             tracing::warn!(dropped, "sandbox events dropped: the queue was full");
         }
         if let Err(e) = store.append_sandbox_events(&batch).await {
-            tracing::warn!(error = e.chain(), events = batch.len(), "writing sandbox events");
+            tracing::warn!(
+                error = e.chain(),
+                events = batch.len(),
+                "writing sandbox events"
+            );
         }
     }
 }
@@ -141,7 +145,11 @@ impl EventQuery {
             Some("1" | "true") => true,
             Some(_) => return Err(ApiError::bad_request("follow must be 1 or 0")),
         };
-        Ok(EventQuery { tail, since, follow })
+        Ok(EventQuery {
+            tail,
+            since,
+            follow,
+        })
     }
 }
 
@@ -169,7 +177,10 @@ pub async fn list(
         return Err(ApiError::sandbox_not_found());
     }
     cp.events.flush(&cp.store).await;
-    let past = cp.store.sandbox_events(&id, query.tail, 0, query.since).await?;
+    let past = cp
+        .store
+        .sandbox_events(&id, query.tail, 0, query.since)
+        .await?;
     if !query.follow {
         let events: Vec<Value> = past.iter().map(event_json).collect();
         return Ok(Json(json!({ "events": events })).into_response());
@@ -181,8 +192,13 @@ pub async fn list(
             loop {
                 if !pending.is_empty() {
                     let event = pending.remove(0);
-                    let frame = Event::default().event("event").data(event_json(&event).to_string());
-                    return Some((Ok::<_, std::convert::Infallible>(frame), (cp, id, pending, last_id)));
+                    let frame = Event::default()
+                        .event("event")
+                        .data(event_json(&event).to_string());
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(frame),
+                        (cp, id, pending, last_id),
+                    ));
                 }
                 tokio::time::sleep(FOLLOW_POLL).await;
                 cp.events.flush(&cp.store).await;

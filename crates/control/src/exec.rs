@@ -658,7 +658,9 @@ async fn serve_exec_ws(cp: Arc<ControlPlane>, id: String, socket: axum::extract:
         let request: WsRequest = match serde_json::from_str(&text) {
             Ok(request) => request,
             Err(e) => {
-                let _ = outbox.send(json!({ "error": format!("bad json: {e}") })).await;
+                let _ = outbox
+                    .send(json!({ "error": format!("bad json: {e}") }))
+                    .await;
                 continue;
             }
         };
@@ -694,7 +696,9 @@ async fn serve_exec_ws(cp: Arc<ControlPlane>, id: String, socket: axum::extract:
             if live.contains_key(&request_id) {
                 Some(format!("command {request_id} is already running"))
             } else if live.len() >= WS_MAX_IN_FLIGHT {
-                Some(format!("at most {WS_MAX_IN_FLIGHT} commands in flight on one socket"))
+                Some(format!(
+                    "at most {WS_MAX_IN_FLIGHT} commands in flight on one socket"
+                ))
             } else {
                 live.insert(request_id.clone(), kill);
                 None
@@ -706,8 +710,8 @@ async fn serve_exec_ws(cp: Arc<ControlPlane>, id: String, socket: axum::extract:
         }
         let (cp, id, outbox, live) = (cp.clone(), id.clone(), outbox.clone(), live.clone());
         tokio::spawn(async move {
-            let last = run_ws_command(&cp, &id, &request_id, exec, shown_timeout, killed, &outbox)
-                .await;
+            let last =
+                run_ws_command(&cp, &id, &request_id, exec, shown_timeout, killed, &outbox).await;
             live.lock().unwrap().remove(&request_id);
             if let Some(last) = last {
                 let _ = outbox.send(last).await;

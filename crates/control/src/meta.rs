@@ -280,7 +280,13 @@ fn follow_log(
             tokio::time::sleep(LOG_FOLLOW_POLL).await;
             s.polls += 1;
             if s.polls % LOG_FOLLOW_ALIVE_EVERY == 0
-                && s.cp.store.get_sandbox(s.account.id, &s.id).await.ok().flatten().is_none_or(|r| !r.is_live())
+                && s.cp
+                    .store
+                    .get_sandbox(s.account.id, &s.id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_none_or(|r| !r.is_live())
             {
                 return None;
             }
@@ -299,7 +305,12 @@ fn follow_log(
             }
             let mut fresh = Vec::new();
             let want = (len - s.offset).min(MAX_LOG_TAIL);
-            if (&mut file).take(want).read_to_end(&mut fresh).await.is_err() {
+            if (&mut file)
+                .take(want)
+                .read_to_end(&mut fresh)
+                .await
+                .is_err()
+            {
                 return None;
             }
             s.offset += fresh.len() as u64;
@@ -330,7 +341,11 @@ fn split_lines(
             _ => break,
         };
         let line: Vec<u8> = partial.drain(..cut).collect();
-        ready.push_back(String::from_utf8_lossy(&line).trim_end_matches(['\r', '\n']).to_string());
+        ready.push_back(
+            String::from_utf8_lossy(&line)
+                .trim_end_matches(['\r', '\n'])
+                .to_string(),
+        );
     }
     if flush && !partial.is_empty() {
         ready.push_back(String::from_utf8_lossy(partial).into_owned());
@@ -424,7 +439,10 @@ pub async fn expose_port(
         .ok()
         .filter(|p| *p > 0)
         .ok_or_else(|| ApiError::bad_request("port must be 1..65535"))?;
-    let label = body.label.filter(|l| !l.is_empty()).unwrap_or_else(|| "service".into());
+    let label = body
+        .label
+        .filter(|l| !l.is_empty())
+        .unwrap_or_else(|| "service".into());
     if label.len() > 1024 || label.chars().any(char::is_control) {
         return Err(ApiError::bad_request(
             "label is at most 1024 printable characters",
@@ -464,13 +482,20 @@ pub async fn unexpose_port(
         .map_err(|_| ApiError::bad_request("invalid port"))?;
     let row = cp.owned(&account, &id).await?;
     let mut metadata = row.metadata.clone();
-    if metadata.remove(&format!("{PORT_KEY_PREFIX}{port}")).is_some() {
+    if metadata
+        .remove(&format!("{PORT_KEY_PREFIX}{port}"))
+        .is_some()
+    {
         set_metadata(&cp, &id, metadata).await?;
     }
     Ok(axum::http::StatusCode::NO_CONTENT)
 }
 
-async fn set_metadata(cp: &ControlPlane, id: &str, metadata: shoal_store::Metadata) -> ApiResult<()> {
+async fn set_metadata(
+    cp: &ControlPlane,
+    id: &str,
+    metadata: shoal_store::Metadata,
+) -> ApiResult<()> {
     let patch = shoal_store::SandboxPatch {
         metadata: Some(metadata),
         ..Default::default()

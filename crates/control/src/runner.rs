@@ -1123,7 +1123,11 @@ async fn keep_sandbox(
     let id = guard.id.take()?;
     let kept = async {
         cp.host.hibernate(&id).await.map_err(|e| e.to_string())?;
-        cp.event(&id, "sandbox.hibernated", serde_json::json!({ "reason": "kept for debugging" }));
+        cp.event(
+            &id,
+            "sandbox.hibernated",
+            serde_json::json!({ "reason": "kept for debugging" }),
+        );
         let at = now();
         let age = (at - created_at).max(0.0).ceil() as u64;
         cp.store

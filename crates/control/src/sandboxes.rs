@@ -136,7 +136,11 @@ impl ControlPlane {
     }
 
     pub(crate) async fn mark_failed(&self, id: &str) {
-        self.event(id, "sandbox.failed", json!({ "reason": "its VM did not come up" }));
+        self.event(
+            id,
+            "sandbox.failed",
+            json!({ "reason": "its VM did not come up" }),
+        );
         let patch = SandboxPatch {
             status: Some(status::FAILED.into()),
             deleted_at: Some(now()),

@@ -6,28 +6,15 @@
 
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{self, Caller};
-use crate::{now, rfc3339, ControlPlane};
+use crate::{now, ControlPlane};
 use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
-use shoal_store::{TokenInfo, TokenRefusal, MAX_TOKENS_PER_ACCOUNT, MAX_TOKEN_LABEL};
+use shoal_store::{token_list_view, TokenRefusal, TokenRequest, MAX_TOKENS_PER_ACCOUNT};
 use std::sync::Arc;
 
 type St = State<Arc<ControlPlane>>;
-
-/// The longest life a token may be given.
-pub const MAX_TOKEN_DAYS: u64 = 3650;
-
-fn token_json(token: &TokenInfo) -> Value {
-    json!({
-        "prefix": token.prefix,
-        "label": token.label,
-        "name": token.label,
-        "created_at": rfc3339(token.created_at),
-        "expires_at": token.expires_at.map(rfc3339),
-    })
-}
 
 pub async fn create(
     State(cp): St,
@@ -35,25 +22,14 @@ pub async fn create(
     request: Request,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let body = extract::json_object(request, extract::MAX_JSON_BODY).await?;
-    let label = match extract::string(&body, "label")? {
-        Some(label) => Some(label),
-        None => extract::string(&body, "name")?,
-    }
-    .unwrap_or_default();
-    if label.chars().count() > MAX_TOKEN_LABEL || label.chars().any(char::is_control) {
-        return Err(ApiError::bad_request(format!(
-            "label must be at most {MAX_TOKEN_LABEL} printable characters"
-        )));
-    }
-    let days = extract::integer(&body, "expires_in_days", 1, MAX_TOKEN_DAYS)?;
-    let expires_at = days.map(|d| now() + d as f64 * 86_400.0);
+    let request = TokenRequest::parse(&body, now()).map_err(ApiError::bad_request)?;
     match cp
         .store
-        .create_account_token(account.id, &label, expires_at)
+        .create_account_token(account.id, &request.label, request.expires_at)
         .await?
     {
         Ok((token, info)) => {
-            let mut answer = token_json(&info);
+            let mut answer = info.view();
             answer["token"] = json!(token);
             Ok((StatusCode::OK, Json(answer)))
         }
@@ -65,8 +41,7 @@ pub async fn create(
 
 pub async fn list(State(cp): St, Caller(account): Caller) -> ApiResult<Json<Value>> {
     let tokens = cp.store.account_tokens(account.id).await?;
-    let items: Vec<Value> = tokens.iter().map(token_json).collect();
-    Ok(Json(json!({ "items": items })))
+    Ok(Json(token_list_view(&tokens)))
 }
 
 pub async fn revoke(

@@ -37,13 +37,17 @@
 //! - the fleet-internal routes (`/v1/fleet/...`, fleet token): heartbeats,
 //!   the configuration an agent starts with, the hosts as placement sees
 //!   them.
+//! - `/v1/me/tokens`: answered here (`tokens`), since an agent's database
+//!   role cannot read tokens.
 //! - anything else (`/v1/me`, lists, usage, sweeps, templates): forward to
 //!   any live agent; they all read the same database.
 
+mod tokens;
+
 use crate::limits::{self, AccountRates, FailedAuths, FrontLimits};
 use crate::{
-    api_token, bearer, fleet_token_matches, refuse, FleetConfig, JoinRequest, Joined, HEARTBEAT_INTERVAL,
-    STALE_AFTER,
+    api_token, bearer, fleet_token_matches, refuse, FleetConfig, JoinRequest, Joined,
+    HEARTBEAT_INTERVAL, STALE_AFTER,
 };
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Request, State};
@@ -547,6 +551,11 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/fleet/heartbeat", post(heartbeat))
         .route("/v1/fleet/config", get(config))
         .route("/v1/fleet/hosts", get(hosts))
+        .route("/v1/me/tokens", get(tokens::list).post(tokens::create))
+        .route(
+            "/v1/me/tokens/{prefix}",
+            axum::routing::delete(tokens::revoke),
+        )
         .route("/v1/sandboxes", post(create).fallback(elsewhere))
         .route("/v1/volumes", post(create_volume).fallback(elsewhere))
         .route("/v1/volumes/{name}", any(about_volume))

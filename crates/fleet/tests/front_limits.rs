@@ -396,6 +396,120 @@ async fn an_account_past_its_rate_is_refused_429(fleet: &Fleet) {
     assert_eq!(answer.status(), reqwest::StatusCode::OK);
 }
 
+/// `/v1/me/tokens` is answered by the front itself (the stand-in agent
+/// never sees it): a token made there works at once through every way of
+/// presenting one, and once revoked it is refused at once.
+async fn tokens_are_answered_by_the_front(fleet: &Fleet) {
+    let alice = fleet.store.create_token("alice", Tier::Pro).await.unwrap();
+    let http = reqwest::Client::new();
+    let tokens = format!("{}/v1/me/tokens", fleet.base);
+    let made: Value = http
+        .post(&tokens)
+        .header("X-API-Key", &alice)
+        .json(&json!({"label": "ci", "expires_in_days": 7}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let token = made["token"]
+        .as_str()
+        .expect("the secret, once")
+        .to_string();
+    let prefix = made["prefix"].as_str().unwrap().to_string();
+    assert!(token.starts_with(&prefix), "{made}");
+    assert_eq!(made["label"], "ci");
+    assert!(made["expires_at"].is_string(), "{made}");
+    let listed: Value = http
+        .get(format!("{tokens}?access_token={token}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let items = listed["items"].as_array().expect("{listed}");
+    assert!(
+        items.iter().any(|t| t["prefix"] == prefix.as_str()),
+        "{listed}"
+    );
+    assert!(items.iter().all(|t| t.get("token").is_none()), "{listed}");
+    for bad in [json!({"label": 7}), json!({"expires_in_days": 0})] {
+        let answer = http
+            .post(&tokens)
+            .bearer_auth(&alice)
+            .json(&bad)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), reqwest::StatusCode::BAD_REQUEST, "{bad}");
+    }
+    let answer = http
+        .post(&tokens)
+        .bearer_auth(&alice)
+        .body("[1]")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::BAD_REQUEST);
+    // The new token works at once, then is refused at once once revoked.
+    let me = format!("{}/v1/me", fleet.base);
+    let answer = http.get(&me).bearer_auth(&token).send().await.unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::OK);
+    let answer = http
+        .delete(format!("{tokens}/{prefix}"))
+        .bearer_auth(&alice)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::NO_CONTENT);
+    let answer = http.get(&me).bearer_auth(&token).send().await.unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::UNAUTHORIZED);
+    let answer = http
+        .delete(format!("{tokens}/{prefix}"))
+        .bearer_auth(&alice)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::NOT_FOUND);
+    // Another account cannot see or revoke alice's tokens.
+    let bob = fleet.store.create_token("bob", Tier::Pro).await.unwrap();
+    let listed: Value = http
+        .get(&tokens)
+        .bearer_auth(&bob)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let alices = fleet
+        .store
+        .account_tokens(fleet.store.authenticate(&alice).await.unwrap().unwrap().id)
+        .await
+        .unwrap();
+    for theirs in &alices {
+        assert!(
+            !listed["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|t| t["prefix"] == theirs.prefix.as_str()),
+            "{listed}"
+        );
+        let answer = http
+            .delete(format!("{tokens}/{}", theirs.prefix))
+            .bearer_auth(&bob)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), reqwest::StatusCode::NOT_FOUND);
+    }
+    let answer = http.get(&tokens).send().await.unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::UNAUTHORIZED);
+}
+
 fn slow_account_limits() -> FrontLimits {
     let mut limits = FrontLimits::default();
     limits.account_rates.insert(
@@ -444,4 +558,5 @@ cases!(
     bodies_are_bounded_once_authenticated: FrontLimits::default(),
     bad_tokens_from_one_address_are_refused_429: FrontLimits::default(),
     an_account_past_its_rate_is_refused_429: slow_account_limits(),
+    tokens_are_answered_by_the_front: FrontLimits::default(),
 );

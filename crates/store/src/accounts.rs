@@ -42,7 +42,8 @@ pub enum TokenRefusal {
 /// Creates the account or changes its tier; yields its id.
 const UPSERT_ACCOUNT: &str = "INSERT INTO accounts (name, tier, created_at) VALUES ($1, $2, $3) \
      ON CONFLICT (name) DO UPDATE SET tier = excluded.tier RETURNING id";
-const INSERT_TOKEN: &str = "INSERT INTO tokens (hash, account_id, created_at, prefix, label, expires_at) \
+const INSERT_TOKEN: &str =
+    "INSERT INTO tokens (hash, account_id, created_at, prefix, label, expires_at) \
      VALUES ($1, $2, $3, $4, $5, $6)";
 const AUTHENTICATE: &str = "SELECT a.id, a.name, a.tier FROM tokens t \
      JOIN accounts a ON a.id = t.account_id \
@@ -167,7 +168,11 @@ impl Store {
         let affected = on_writer!(self, pool => {
             sqlx::query(DELETE_ACCOUNT_TOKEN).bind(account_id).bind(&hash).execute(pool).await?.rows_affected()
         });
-        Ok(if affected == 1 { Ok(hash) } else { Err(TokenRefusal::NotFound) })
+        Ok(if affected == 1 {
+            Ok(hash)
+        } else {
+            Err(TokenRefusal::NotFound)
+        })
     }
 
     /// The account `token` belongs to, if any. One indexed query.
@@ -292,9 +297,18 @@ mod tests {
 
     #[test]
     fn tokens_come_from_header_key_or_query() {
-        assert_eq!(request_token(Some("Bearer a"), Some("b"), Some("access_token=c")).as_deref(), Some("a"));
-        assert_eq!(request_token(Some("Basic x"), Some(" b "), Some("access_token=c")).as_deref(), Some("b"));
-        assert_eq!(request_token(None, Some(""), Some("rows=3&access_token=sk%5Fc")).as_deref(), Some("sk_c"));
+        assert_eq!(
+            request_token(Some("Bearer a"), Some("b"), Some("access_token=c")).as_deref(),
+            Some("a")
+        );
+        assert_eq!(
+            request_token(Some("Basic x"), Some(" b "), Some("access_token=c")).as_deref(),
+            Some("b")
+        );
+        assert_eq!(
+            request_token(None, Some(""), Some("rows=3&access_token=sk%5Fc")).as_deref(),
+            Some("sk_c")
+        );
         assert_eq!(request_token(None, None, Some("access_token=")), None);
         assert_eq!(request_token(None, None, Some("token=c")), None);
         assert_eq!(request_token(None, None, None), None);

@@ -42,6 +42,7 @@ mod sandboxes;
 mod snapshots;
 mod sweeps;
 mod templates;
+mod token_requests;
 mod usage;
 mod volumes;
 
@@ -66,6 +67,7 @@ pub use host_roles::host_database_url;
 pub use hosts::PLACEMENT_TIMEOUT_SECONDS;
 pub use model::*;
 pub use sweeps::{measure_claims, ClaimRate};
+pub use token_requests::{token_list_view, TokenRequest, MAX_TOKEN_DAYS};
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
