@@ -403,7 +403,8 @@ async fn ws_exec_rtt(base: &str, token: &str, id: &str, samples: usize) -> Resul
     let url = format!("{ws_base}/v1/sandboxes/{id}/exec/ws?access_token={token}");
     let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
     async fn answer(
-        socket: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin),
+        socket: &mut (impl futures::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>>
+                  + Unpin),
     ) -> Result<serde_json::Value> {
         loop {
             match socket.next().await {
@@ -419,7 +420,9 @@ async fn ws_exec_rtt(base: &str, token: &str, id: &str, samples: usize) -> Resul
         tokio::time::sleep(EXEC_SPACING).await;
         let start = Instant::now();
         let request = json!({ "id": format!("rtt-{i}"), "cmd": "true" });
-        socket.send(Message::Text(request.to_string().into())).await?;
+        socket
+            .send(Message::Text(request.to_string().into()))
+            .await?;
         let reply = answer(&mut socket).await?;
         anyhow::ensure!(reply["exit"] == 0, "ws exec answered {reply}");
         rtt_ms.push(ms(start));
@@ -428,7 +431,9 @@ async fn ws_exec_rtt(base: &str, token: &str, id: &str, samples: usize) -> Resul
     let start = Instant::now();
     for i in 0..burst_commands {
         let request = json!({ "id": format!("burst-{i}"), "cmd": "true" });
-        socket.send(Message::Text(request.to_string().into())).await?;
+        socket
+            .send(Message::Text(request.to_string().into()))
+            .await?;
     }
     let mut exited = 0;
     while exited < burst_commands {

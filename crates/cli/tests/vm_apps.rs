@@ -166,11 +166,7 @@ async fn bad_input_makes_nothing(client: &Client) {
     let apps = client.ok(Method::GET, "/v1/apps", None).await;
     assert_eq!(apps, json!({"items": []}), "a refused create made an app");
     let sandboxes = client.ok(Method::GET, "/v1/sandboxes", None).await;
-    assert_eq!(
-        sandboxes,
-        json!([]),
-        "a refused create made a sandbox"
-    );
+    assert_eq!(sandboxes, json!([]), "a refused create made a sandbox");
 }
 
 /// The plain proxy route, through HTTP, to a real http.server in a VM.

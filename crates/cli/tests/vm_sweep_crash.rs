@@ -159,11 +159,7 @@ async fn sweep_survives_a_sigkill(database_url: &str, state: PathBuf) {
     }
     // Every sandbox the sweep made is gone, from either life.
     let listed = client.get("/v1/sandboxes").await;
-    assert_eq!(
-        listed.as_array().map(Vec::len),
-        Some(0),
-        "{listed}"
-    );
+    assert_eq!(listed.as_array().map(Vec::len), Some(0), "{listed}");
     assert!(vms_of(&state).is_empty(), "VMs left after the sweep");
     drop(up);
     let _ = std::fs::remove_dir_all(&state);

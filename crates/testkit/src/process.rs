@@ -199,6 +199,11 @@ impl ShoalUp {
         &self.base
     }
 
+    /// Its process id (the leader of its process group).
+    pub fn pid(&self) -> u32 {
+        self.process.id()
+    }
+
     /// The database it runs on.
     pub fn database_url(&self) -> String {
         self.config.effective_database_url()
