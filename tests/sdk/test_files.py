@@ -86,12 +86,32 @@ def test_relative_path_is_400(shoal, account, sb):
     error_of(r)
 
 
-def test_oversized_upload_is_413_and_writes_nothing(shoal, account, sb):
-    limit = 32 * 1024 * 1024
-    r = requests.put(f"{shoal.url}/v1/sandboxes/{sb.id}/fs", params={"path": "/tmp/huge.bin"},
-                     data=b"\0" * (limit + 1), timeout=120,
+def test_uploads_past_the_old_32_mib_cap_stream_through(shoal, account, sb):
+    size = 32 * 1024 * 1024 + 1
+    r = requests.put(f"{shoal.url}/v1/sandboxes/{sb.id}/fs", params={"path": "/tmp/big.bin"},
+                     data=b"\1" * size, timeout=300,
                      headers={"Authorization": f"Bearer {account.token}",
                               "Content-Type": "application/octet-stream"})
-    assert r.status_code == 413
-    error_of(r)
+    assert r.status_code in (200, 201), r.text
+    assert sb.filesystem.stat("/tmp/big.bin").size == size
+    r = requests.delete(f"{shoal.url}/v1/sandboxes/{sb.id}/fs", params={"path": "/tmp/big.bin"},
+                        headers={"Authorization": f"Bearer {account.token}"}, timeout=30)
+    assert r.status_code == 204
+
+
+def test_an_upload_declared_past_1_gib_is_413_before_its_body_and_writes_nothing(shoal, account, sb):
+    import http.client
+    import urllib.parse
+    url = urllib.parse.urlsplit(shoal.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.putrequest("PUT", f"/v1/sandboxes/{sb.id}/fs?path=/tmp/huge.bin")
+    conn.putheader("Authorization", f"Bearer {account.token}")
+    conn.putheader("Content-Type", "application/octet-stream")
+    conn.putheader("Content-Length", str(1024 * 1024 * 1024 + 1))
+    conn.endheaders()
+    conn.send(b"\0" * 4096)
+    r = conn.getresponse()
+    assert r.status == 413
+    assert "exceeds" in r.read().decode()
+    conn.close()
     assert not sb.filesystem.exists("/tmp/huge.bin")

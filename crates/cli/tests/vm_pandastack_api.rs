@@ -476,7 +476,19 @@ async fn pandastack_walk(database_url: &str, state: PathBuf) {
     }
     assert!(ids(&stranger.get("/v1/sandboxes").await).is_empty());
 
-    // cleanup
+    // cleanup, with the parent's events followed: the stream shows the
+    // deletion and then ends.
+    let follow = tokio::spawn(
+        c.http
+            .get(format!(
+                "{}/v1/sandboxes/{id}/events?follow=1&tail=1",
+                c.base
+            ))
+            .header("X-API-Key", &c.key)
+            .timeout(Duration::from_secs(60))
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
     for sandbox in children.iter().chain([&id]) {
         let (status, text) = c
             .send(Method::DELETE, &format!("/v1/sandboxes/{sandbox}"), None)
@@ -484,6 +496,14 @@ async fn pandastack_walk(database_url: &str, state: PathBuf) {
         assert!(status == 200 || status == 204, "{status} {text}");
     }
     assert!(ids(&c.get("/v1/sandboxes").await).is_empty());
+    let followed = follow.await.unwrap().expect("following events");
+    assert_eq!(followed.status(), 200);
+    let stream = followed
+        .text()
+        .await
+        .expect("the follow ends after the deletion");
+    assert!(stream.contains("event: event"), "{stream}");
+    assert!(stream.contains("\"sandbox.deleted\""), "{stream}");
 }
 
 #[test]

@@ -36,13 +36,27 @@ pub const MAX_TAIL: i64 = 1000;
 const DEFAULT_TAIL: i64 = 50;
 /// How often a followed log is read again.
 const FOLLOW_POLL: Duration = Duration::from_millis(500);
+/// Followed logs at once on this process (each reads the database every
+/// [`FOLLOW_POLL`]); past it a follow is refused 429.
+pub const MAX_FOLLOWERS: usize = 256;
 
-#[derive(Default)]
 pub(crate) struct EventLog {
     queue: Mutex<Vec<SandboxEvent>>,
     /// One flush at a time, so events reach the database in order.
     writing: tokio::sync::Mutex<()>,
     dropped: AtomicU64,
+    followers: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for EventLog {
+    fn default() -> Self {
+        EventLog {
+            queue: Mutex::default(),
+            writing: tokio::sync::Mutex::default(),
+            dropped: AtomicU64::default(),
+            followers: Arc::new(tokio::sync::Semaphore::new(MAX_FOLLOWERS)),
+        }
+    }
 }
 
 impl EventLog {
@@ -113,6 +127,9 @@ fn event_json(event: &SandboxEvent) -> Value {
     })
 }
 
+/// The last event of a sandbox's log: a follow ends after it.
+const DELETED: &str = "sandbox.deleted";
+
 /// What a read asked for.
 struct EventQuery {
     tail: i64,
@@ -164,7 +181,7 @@ fn parse_time(text: &str) -> Option<f64> {
 
 /// `GET /v1/sandboxes/{id}/events`: `{"events": [...]}` oldest first, or
 /// with `follow=1` a server-sent stream of `event` frames that goes on with
-/// new events until the client leaves. A deleted or failed sandbox's log
+/// new events until the sandbox is deleted or the client leaves. A deleted or failed sandbox's log
 /// is still read.
 pub async fn list(
     State(cp): St,
@@ -185,20 +202,33 @@ pub async fn list(
         let events: Vec<Value> = past.iter().map(event_json).collect();
         return Ok(Json(json!({ "events": events })).into_response());
     }
+    let Ok(follower) = cp.events.followers.clone().try_acquire_owned() else {
+        return Err(ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            format!("at most {MAX_FOLLOWERS} event logs are followed at once; try again later"),
+        ));
+    };
     let last_id = past.last().map_or(0, |e| e.id);
+    let ended = past.iter().any(|e| e.kind == DELETED);
+    // The stream holds `follower` until it ends; it ends after the
+    // sandbox's deletion, or when the client goes.
     let stream = futures::stream::unfold(
-        (cp, id, past, last_id),
-        |(cp, id, mut pending, mut last_id)| async move {
+        (cp, id, past, last_id, ended, follower),
+        |(cp, id, mut pending, mut last_id, mut ended, follower)| async move {
             loop {
                 if !pending.is_empty() {
                     let event = pending.remove(0);
+                    ended |= event.kind == DELETED;
                     let frame = Event::default()
                         .event("event")
                         .data(event_json(&event).to_string());
                     return Some((
                         Ok::<_, std::convert::Infallible>(frame),
-                        (cp, id, pending, last_id),
+                        (cp, id, pending, last_id, ended, follower),
                     ));
+                }
+                if ended {
+                    return None;
                 }
                 tokio::time::sleep(FOLLOW_POLL).await;
                 cp.events.flush(&cp.store).await;
@@ -220,4 +250,57 @@ pub async fn list(
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_queue_is_bounded() {
+        let log = EventLog::default();
+        for _ in 0..QUEUE_MAX + 10 {
+            log.record("sb-1", "sandbox.exec", json!({}));
+        }
+        assert_eq!(log.queue.lock().unwrap().len(), QUEUE_MAX);
+        assert_eq!(log.dropped.load(Ordering::Relaxed), 10);
+    }
+
+    #[test]
+    fn a_command_is_kept_up_to_its_limit_on_a_character_boundary() {
+        assert_eq!(command_summary("echo hi"), "echo hi");
+        let long = "é".repeat(MAX_EVENT_COMMAND);
+        let kept = command_summary(&long);
+        assert!(
+            kept.len() <= MAX_EVENT_COMMAND + "…".len(),
+            "{}",
+            kept.len()
+        );
+        assert!(kept.ends_with('…'));
+    }
+
+    #[test]
+    fn queries_are_checked() {
+        let q = EventQuery::parse(None).unwrap();
+        assert_eq!((q.tail, q.since, q.follow), (DEFAULT_TAIL, 0.0, false));
+        let q = EventQuery::parse(Some("tail=7&since=2026-12-07T10:00:00Z&follow=1")).unwrap();
+        assert_eq!(q.tail, 7);
+        assert_eq!(q.since, 1_765_101_600.0 + 365.0 * 86_400.0);
+        assert!(q.follow);
+        assert_eq!(
+            EventQuery::parse(Some("since=1800000000.5")).unwrap().since,
+            1_800_000_000.5
+        );
+        for bad in [
+            "tail=1001",
+            "tail=-1",
+            "tail=x",
+            "since=yesterday",
+            "since=inf",
+            "follow=maybe",
+            "tail=%ZZ",
+        ] {
+            assert!(EventQuery::parse(Some(bad)).is_err(), "{bad}");
+        }
+    }
 }

@@ -487,6 +487,43 @@ async fn a_host_role_reads_no_credentials_and_writes_only_its_own_rows(db: Arc<D
         .execute(&mut raw)
         .await;
     assert!(stolen.is_err(), "a host moved its row onto another host");
+    // Events (migration 0018): a host writes and trims its own sandboxes'
+    // logs, reads every sandbox's, and writes none for another host's.
+    let event = |sandbox: &str, kind: &str| shoal_store::SandboxEvent {
+        id: 0,
+        sandbox_id: sandbox.into(),
+        at: T0,
+        kind: kind.into(),
+        payload: "{}".into(),
+    };
+    store
+        .append_sandbox_events(&[event("sb-on-b", "sandbox.created")])
+        .await
+        .unwrap();
+    host.append_sandbox_events(&[
+        event("sb-on-a", "sandbox.created"),
+        event("sb-on-a", "sandbox.running"),
+    ])
+    .await
+    .unwrap();
+    assert!(
+        host.append_sandbox_events(&[event("sb-on-b", "sandbox.deleted")])
+            .await
+            .is_err(),
+        "a host wrote another host's sandbox's events"
+    );
+    let read = host.sandbox_events("sb-on-b", 10, 0, 0.0).await.unwrap();
+    assert_eq!(
+        read.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(),
+        ["sandbox.created"]
+    );
+    assert_eq!(
+        host.sandbox_events("sb-on-a", 10, 0, 0.0)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
     drop(raw);
     host.close().await;
 
