@@ -107,14 +107,19 @@ fn ids(list: &Value) -> Vec<String> {
         .collect()
 }
 
-async fn pandastack_walk(database_url: &str, state: PathBuf) {
-    let _ = std::fs::remove_dir_all(&state);
-    std::fs::create_dir_all(&state).unwrap();
-    let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+/// A fresh `shoal up` on `database_url` with `state` emptied.
+async fn start_up(database_url: &str, state: &std::path::Path) -> shoal_testkit::ShoalUp {
+    let _ = std::fs::remove_dir_all(state);
+    std::fs::create_dir_all(state).unwrap();
+    shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), state)
         .database_url(database_url)
         .ready_within(Duration::from_secs(900))
         .start()
-        .await;
+        .await
+}
+
+async fn pandastack_walk(database_url: &str, state: PathBuf) {
+    let up = start_up(database_url, &state).await;
     let c = Curl::new(up.base(), &up.token("walker"));
 
     // healthz, version (no token)
@@ -588,13 +593,7 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 async fn terminal_and_multiplexed_exec(database_url: &str, state: PathBuf) {
-    let _ = std::fs::remove_dir_all(&state);
-    std::fs::create_dir_all(&state).unwrap();
-    let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
-        .database_url(database_url)
-        .ready_within(Duration::from_secs(900))
-        .start()
-        .await;
+    let up = start_up(database_url, &state).await;
     let token = up.token("terminal");
     let c = Curl::new(up.base(), &token);
     let id = c

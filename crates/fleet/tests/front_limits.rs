@@ -454,24 +454,19 @@ async fn tokens_are_answered_by_the_front(fleet: &Fleet) {
         .unwrap();
     assert_eq!(answer.status(), reqwest::StatusCode::BAD_REQUEST);
     // The new token works at once, then is refused at once once revoked.
+    let revoke = |prefix: &str| {
+        http.delete(format!("{tokens}/{prefix}"))
+            .bearer_auth(&alice)
+            .send()
+    };
     let me = format!("{}/v1/me", fleet.base);
     let answer = http.get(&me).bearer_auth(&token).send().await.unwrap();
     assert_eq!(answer.status(), reqwest::StatusCode::OK);
-    let answer = http
-        .delete(format!("{tokens}/{prefix}"))
-        .bearer_auth(&alice)
-        .send()
-        .await
-        .unwrap();
+    let answer = revoke(&prefix).await.unwrap();
     assert_eq!(answer.status(), reqwest::StatusCode::NO_CONTENT);
     let answer = http.get(&me).bearer_auth(&token).send().await.unwrap();
     assert_eq!(answer.status(), reqwest::StatusCode::UNAUTHORIZED);
-    let answer = http
-        .delete(format!("{tokens}/{prefix}"))
-        .bearer_auth(&alice)
-        .send()
-        .await
-        .unwrap();
+    let answer = revoke(&prefix).await.unwrap();
     assert_eq!(answer.status(), reqwest::StatusCode::NOT_FOUND);
     // Another account cannot see or revoke alice's tokens.
     let bob = fleet.store.create_token("bob", Tier::Pro).await.unwrap();
