@@ -114,6 +114,11 @@ const SQLITE: &[Embedded] = &[
         "tokens and events",
         include_str!("../migrations/sqlite/0018_tokens_events.sql"),
     ),
+    (
+        19,
+        "event grants",
+        include_str!("../migrations/sqlite/0019_event_grants.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -207,6 +212,11 @@ const POSTGRES: &[Embedded] = &[
         "tokens and events",
         include_str!("../migrations/postgres/0018_tokens_events.sql"),
     ),
+    (
+        19,
+        "event grants",
+        include_str!("../migrations/postgres/0019_event_grants.sql"),
+    ),
 ];
 
 #[derive(Debug)]
@@ -264,7 +274,7 @@ mod tests {
 
     /// Versions that only PostgreSQL gives content (roles and row-level
     /// security, which SQLite has not); SQLite's are no-ops of the same number.
-    const POSTGRES_ONLY: &[i64] = &[9, 10, 12];
+    const POSTGRES_ONLY: &[i64] = &[9, 10, 12, 19];
 
     /// The two flavours must describe the same schema: same versions, and
     /// the same statements once column types are folded together.
