@@ -4,12 +4,14 @@
 //! Holds no logic of its own: templates and VMs are the engine's, benches
 //! live in `bench.rs` and only call the engine's public API.
 
+mod admin;
 mod bench;
 mod bench_exec;
 mod bench_fleet;
 mod bench_slurm;
 mod bench_sweep;
 mod bench_template;
+mod config;
 mod fleet;
 mod slurm;
 mod templates;
@@ -17,13 +19,19 @@ mod tree;
 mod up;
 
 use anyhow::{Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use shoal_engine::{Accel, Engine, EngineConfig};
 use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 #[command(name = "shoal", version, about = "An on-demand microVM fleet")]
 struct Cli {
+    /// The configuration file (TOML; default /etc/shoal/shoal.toml when it
+    /// exists): flags' long names as keys, at the top or in a command's
+    /// table, and [tiers.NAME] and [rates]. A flag and its SHOAL_*
+    /// variable win over it.
+    #[arg(long, global = true, env = "SHOAL_CONFIG")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -134,6 +142,16 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// Accounts (an operator's command: it writes the database).
+    Account {
+        #[command(subcommand)]
+        command: AccountCommand,
+    },
+    /// Every account's sandboxes (an operator's command).
+    Sandbox {
+        #[command(subcommand)]
+        command: SandboxCommand,
+    },
     /// Submit a Slurm batch script as a job on the fleet (docs/SLURM.md).
     Sbatch(slurm::SbatchArgs),
     /// Pending and running jobs, as Slurm's squeue.
@@ -157,6 +175,12 @@ enum Command {
     /// Write finished tasks' output files here (sbatch's follower does it
     /// in the background).
     Sync(slurm::SyncArgs),
+    /// The settings a command would run with, and where each comes from
+    /// (flag, SHOAL_* variable, configuration file or default).
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
     /// Measure the engine and write a JSON report.
     Bench {
         #[command(subcommand)]
@@ -210,6 +234,15 @@ enum TemplateCommand {
 }
 
 #[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print the settings of COMMAND (default: up), each with its source.
+    Show {
+        /// The command, e.g. `up`, `agent`, `template build`.
+        command: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
 enum HostCommand {
     /// Print a one-time token a new host joins the fleet with.
     JoinToken(fleet::JoinTokenArgs),
@@ -221,6 +254,24 @@ enum HostCommand {
 enum TokenCommand {
     /// Create an API token (and its account, if new); prints the token.
     Create(up::TokenArgs),
+    /// An account's tokens: prefix, label, created, expiry (never the token).
+    List(admin::TokenListArgs),
+    /// Revoke one of an account's tokens by its prefix.
+    Revoke(admin::TokenRevokeArgs),
+}
+
+#[derive(Subcommand)]
+enum AccountCommand {
+    /// Move an account to another tier (free, pro, team).
+    SetTier(admin::SetTierArgs),
+}
+
+#[derive(Subcommand)]
+enum SandboxCommand {
+    /// Every live sandbox (or one account's), with its host.
+    List(admin::SandboxListArgs),
+    /// Delete sandboxes of any account; each host stops their VMs.
+    Kill(admin::SandboxKillArgs),
 }
 
 #[derive(Subcommand)]
@@ -254,7 +305,28 @@ fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let (cli, command, from_file) = match parse_command_line() {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            eprintln!("error: {}", error_chain(&error));
+            return std::process::ExitCode::from(2);
+        }
+    };
+    if let Command::Config {
+        command: ConfigCommand::Show { command: path },
+    } = &cli.command
+    {
+        return match config::show(&command, &from_file, path) {
+            Ok(text) => {
+                print!("{text}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("error: {}", error_chain(&error));
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
@@ -263,6 +335,22 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The command line, read with every flag's SHOAL_* variable and the
+/// configuration file wired in (`config`); clap's own errors and `--help`
+/// exit here as `Cli::parse` would.
+fn parse_command_line() -> Result<(Cli, clap::Command, config::FromFile)> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let file = config::ConfigFile::locate(&args)?;
+    let (command, from_file) = config::wire(Cli::command(), &file)?;
+    let matches = command.clone().get_matches_from(&args);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    config::set_file(file);
+    Ok((cli, command, from_file))
 }
 
 fn error_chain(error: &anyhow::Error) -> String {
@@ -453,10 +541,25 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             fleet::revoke(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
-        Command::Token {
-            command: TokenCommand::Create(args),
+        Command::Token { command } => {
+            match command {
+                TokenCommand::Create(args) => up::token(args).await?,
+                TokenCommand::List(args) => admin::token_list(args).await?,
+                TokenCommand::Revoke(args) => admin::token_revoke(args).await?,
+            }
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Account {
+            command: AccountCommand::SetTier(args),
         } => {
-            up::token(args).await?;
+            admin::set_tier(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Sandbox { command } => {
+            match command {
+                SandboxCommand::List(args) => admin::sandbox_list(args).await?,
+                SandboxCommand::Kill(args) => admin::sandbox_kill(args).await?,
+            }
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Sbatch(args) => slurm::sbatch(args).await,
@@ -469,6 +572,8 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Seff(args) => slurm::seff(args).await,
         Command::Sinfo(args) => slurm::sinfo(args).await,
         Command::Sync(args) => slurm::sync(args).await,
+        // Answered before the runtime starts (see `main`).
+        Command::Config { .. } => Ok(std::process::ExitCode::SUCCESS),
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {

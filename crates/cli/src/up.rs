@@ -153,7 +153,7 @@ pub struct DatabaseArgs {
 }
 
 impl DatabaseArgs {
-    fn url(&self, state_dir: &std::path::Path) -> String {
+    pub(crate) fn url(&self, state_dir: &std::path::Path) -> String {
         self.database_url
             .clone()
             .unwrap_or_else(|| format!("sqlite:{}", state_dir.join("shoal.db").display()))
@@ -296,8 +296,9 @@ pub struct HostServe<'a> {
 }
 
 /// Opens the host agent, builds the first-party templates if needed, opens
-/// the database, reconciles it with the host and serves the API until
-/// SIGTERM or Ctrl-C; then stops every sandbox of this host.
+/// the database, reconciles it with the host (waking the sandboxes the last
+/// stop hibernated) and serves the API until SIGTERM or Ctrl-C; then
+/// hibernates this host's sandboxes, for the next start to wake.
 pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     let args = serve.args;
     let host = open_host(args).await?;
@@ -310,11 +311,13 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     } else {
         Store::connect(&serve.database_url).await
     }
-    .with_context(|| format!("opening the database {}", redacted(&serve.database_url)))?;
+    .with_context(|| format!("opening the database {}", redacted(&serve.database_url)))?
+    .with_rate_card(crate::config::file().rate_card()?);
     let mut config = ControlConfig {
         host_name: serve.host_name,
         account_header: fleet_agent.then_some(shoal_fleet::ACCOUNT_HEADER),
         registries: args.registries.clone(),
+        limits: crate::config::file().tier_limits()?,
         ..ControlConfig::default()
     };
     config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
@@ -333,13 +336,17 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     use std::io::Write;
     std::io::stdout().flush()?;
 
-    let mut router = shoal_control::router(control);
+    let mut router = shoal_control::router(control.clone());
     if let Some(key) = serve.only_fronts {
         router = shoal_fleet::only_fronts(router, key);
     }
     serve_router(serve.listener, router, serve.tls).await?;
-    eprintln!("shutting down: stopping sandboxes");
-    host.engine().kill_all().await;
+    // A planned stop keeps the sandboxes: hibernated now, woken by the
+    // next start. What could not be hibernated stops with the process.
+    eprintln!("shutting down: hibernating this host's sandboxes");
+    let hibernated = control.hibernate_for_stop().await;
+    eprintln!("shutting down: {hibernated} sandboxes hibernated; stopping the rest");
+    host.engine().kill_running().await;
     close_store(store).await;
     Ok(host)
 }

@@ -208,6 +208,10 @@ impl ControlPlane {
     /// runner.
     pub async fn start_background(self: &Arc<Self>) -> ApiResult<()> {
         lifecycle::reconcile(self).await?;
+        let woken = self.wake_after_stop().await;
+        if woken > 0 {
+            tracing::info!(woken, "woke the sandboxes the last stop hibernated");
+        }
         builds::fail_abandoned(self).await;
         events::spawn_flusher(self.clone());
         lifecycle::spawn(self.clone());

@@ -5,6 +5,13 @@
 //! (`lost` while the host was silent, deleted or failed elsewhere, or moved
 //! to another host), so a sandbox the fleet gave up on never runs twice.
 //!
+//! A planned stop of the service (SIGTERM: `systemctl stop`, an upgrade)
+//! hibernates this host's running and paused sandboxes
+//! ([`ControlPlane::hibernate_for_stop`]); the next start wakes them
+//! ([`ControlPlane::wake_after_stop`]), with their processes and memory as
+//! they were. Hibernated state is on the state disk, so it also survives a
+//! reboot of the host.
+//!
 //! Activity is noted in memory on every request and written to the
 //! database every few seconds (a restart loses at most that much); an exec
 //! in flight is counted in the database itself (`running_execs`), so the
@@ -243,6 +250,120 @@ impl Meter {
         if let Ok(rows) = cp.store.list_sandboxes(account.id).await {
             self.sample_rows(cp, rows).await;
         }
+    }
+}
+
+/// The `status_reason` of a sandbox hibernated because the service
+/// stopped: a start wakes the sandboxes that carry it.
+pub const STOPPED_WITH_THE_SERVICE: &str = "hibernated while the service was stopped";
+
+/// Sandboxes hibernated or woken at once at a stop or start (each writes or
+/// reads its memory on the state disk).
+const RESTART_PARALLELISM: usize = 4;
+
+impl ControlPlane {
+    /// A planned stop: hibernates every running or paused sandbox of this
+    /// host (a paused one is resumed first, for its volumes to be frozen by
+    /// its agent) and marks it to be woken by the next start. Returns how
+    /// many were hibernated; one that could not be is left to be killed
+    /// with the process (and is recorded lost at the next start).
+    pub async fn hibernate_for_stop(&self) -> usize {
+        use futures::StreamExt as _;
+        let rows = match self.store.list_all_live().await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::error!(error = e.chain(), "listing sandboxes to hibernate at stop");
+                return 0;
+            }
+        };
+        let ours = rows
+            .into_iter()
+            .filter(|row| self.is_ours(row) && matches!(row.status.as_str(), "running" | "paused"));
+        let hibernated = futures::stream::iter(ours)
+            .map(|row| async move {
+                let engine = self.host.engine();
+                if row.status == "paused" {
+                    if let Err(e) = engine.resume(&row.id).await {
+                        tracing::warn!(id = row.id, error = %e, "resuming to hibernate at stop");
+                        return false;
+                    }
+                }
+                if let Err(e) = self.host.hibernate(&row.id).await {
+                    tracing::warn!(id = row.id, error = %e, "hibernating at stop");
+                    return false;
+                }
+                self.event(
+                    &row.id,
+                    "sandbox.hibernated",
+                    serde_json::json!({ "reason": "the service stopped" }),
+                );
+                let patch = SandboxPatch {
+                    status: Some("hibernated".into()),
+                    status_reason: Some(STOPPED_WITH_THE_SERVICE.into()),
+                    ..SandboxPatch::default()
+                };
+                match self.store.update_sandbox(&row.id, patch).await {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tracing::error!(
+                            id = row.id,
+                            error = e.chain(),
+                            "recording a hibernation at stop"
+                        );
+                        false
+                    }
+                }
+            })
+            .buffer_unordered(RESTART_PARALLELISM)
+            .filter(|done| std::future::ready(*done))
+            .count()
+            .await;
+        self.events.flush(&self.store).await;
+        hibernated
+    }
+
+    /// After [`ControlPlane::reconcile`]: wakes this host's sandboxes that
+    /// a planned stop hibernated. Returns how many woke; one that cannot
+    /// (no memory for it now) stays hibernated, for its user to wake.
+    pub async fn wake_after_stop(&self) -> usize {
+        use futures::StreamExt as _;
+        let rows = match self.store.list_all_live().await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::error!(error = e.chain(), "listing sandboxes to wake at start");
+                return 0;
+            }
+        };
+        let stopped = rows.into_iter().filter(|row| {
+            self.is_ours(row)
+                && row.status == "hibernated"
+                && row.status_reason.as_deref() == Some(STOPPED_WITH_THE_SERVICE)
+        });
+        futures::stream::iter(stopped)
+            .map(|row| async move {
+                if let Err(e) = self.host.wake(&row.id).await {
+                    tracing::warn!(id = row.id, error = %e, "waking a sandbox the stop hibernated");
+                    return false;
+                }
+                self.event(
+                    &row.id,
+                    "sandbox.woken",
+                    serde_json::json!({ "reason": "the service started" }),
+                );
+                self.touch(&row.id);
+                let patch = SandboxPatch {
+                    status: Some("running".into()),
+                    // Empty clears the reason (the store keeps NULL).
+                    status_reason: Some(String::new()),
+                    if_status: Some("hibernated".into()),
+                    ..SandboxPatch::default()
+                };
+                self.store.update_sandbox(&row.id, patch).await.is_ok()
+            })
+            .buffer_unordered(RESTART_PARALLELISM)
+            .filter(|done| std::future::ready(*done))
+            .count()
+            .await
     }
 }
 

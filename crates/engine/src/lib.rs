@@ -1005,6 +1005,26 @@ impl Engine {
     }
 
     /// Kills every sandbox (used at shutdown and by tests).
+    /// Kills every VM with a QEMU process and keeps the hibernated ones,
+    /// whose state is on disk for the next engine on this state directory
+    /// to wake: what a stop of the service does after hibernating what it
+    /// could.
+    pub async fn kill_running(&self) {
+        let vms: Vec<(String, Arc<Vm>)> = self
+            .vms
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, vm)| (id.clone(), vm.clone()))
+            .collect();
+        for (id, vm) in vms {
+            let hibernated = vm.inner.lock().await.state == VmState::Hibernated;
+            if !hibernated {
+                let _ = self.kill(&id).await;
+            }
+        }
+    }
+
     pub async fn kill_all(&self) {
         let ids: Vec<String> = self.vms.lock().unwrap().keys().cloned().collect();
         for id in ids {

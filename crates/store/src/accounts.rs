@@ -42,6 +42,7 @@ pub enum TokenRefusal {
 /// Creates the account or changes its tier; yields its id.
 const UPSERT_ACCOUNT: &str = "INSERT INTO accounts (name, tier, created_at) VALUES ($1, $2, $3) \
      ON CONFLICT (name) DO UPDATE SET tier = excluded.tier RETURNING id";
+const SET_TIER: &str = "UPDATE accounts SET tier = $1 WHERE name = $2";
 const INSERT_TOKEN: &str =
     "INSERT INTO tokens (hash, account_id, created_at, prefix, label, expires_at) \
      VALUES ($1, $2, $3, $4, $5, $6)";
@@ -198,6 +199,21 @@ impl Store {
                 .map(|r| row::account(&r))
                 .transpose()
         })
+    }
+
+    /// Moves account `name` to `tier` (an operator's `shoal account
+    /// set-tier`); false when there is no such account. Its tokens' cached
+    /// accounts keep the old tier until their cache entry expires.
+    pub async fn set_account_tier(&self, name: &str, tier: Tier) -> Result<bool> {
+        let affected = on_writer!(self, pool => {
+            sqlx::query(SET_TIER)
+                .bind(tier.as_str())
+                .bind(name)
+                .execute(pool)
+                .await?
+                .rows_affected()
+        });
+        Ok(affected == 1)
     }
 
     pub async fn account_by_id(&self, id: i64) -> Result<Option<Account>> {

@@ -48,7 +48,7 @@ const UPDATE: &str = "UPDATE sandboxes SET \
      persistent = COALESCE($8, persistent), \
      max_lifetime_seconds = COALESCE($9, max_lifetime_seconds), \
      deleted_at = COALESCE($10, deleted_at), \
-     status_reason = COALESCE($12, status_reason), \
+     status_reason = NULLIF(COALESCE($12, status_reason), ''), \
      metadata = COALESCE($13, metadata) \
      WHERE id = $1 AND ($11 IS NULL OR status = $11)";
 

@@ -1,0 +1,238 @@
+//! An operator's commands on the database (any account): tokens listed and
+//! revoked, an account's tier changed, every live sandbox listed and one
+//! killed. They write the database only; a host acts on what they wrote
+//! (a killed sandbox's VM goes at its host's next lifecycle tick, which
+//! kills the VM of every row no longer live there).
+
+use crate::up::{close_store, DatabaseArgs};
+use anyhow::{Context, Result};
+use shoal_store::{status, SandboxPatch, Store, Tier};
+use std::path::PathBuf;
+
+/// Where the database is, as `shoal token create` finds it.
+#[derive(clap::Args)]
+pub struct Db {
+    #[command(flatten)]
+    database: DatabaseArgs,
+    /// Where the default SQLite database lives.
+    #[arg(long, env = "SHOAL_STATE_DIR", default_value = "/var/lib/shoal")]
+    state_dir: PathBuf,
+}
+
+impl Db {
+    async fn open(&self) -> Result<Store> {
+        let url = self.database.url(&self.state_dir);
+        Store::connect(&url)
+            .await
+            .with_context(|| format!("opening the database {}", crate::up::redacted(&url)))
+    }
+}
+
+#[derive(clap::Args)]
+pub struct TokenListArgs {
+    /// The account whose tokens to list.
+    #[arg(long)]
+    account: String,
+    #[command(flatten)]
+    db: Db,
+}
+
+#[derive(clap::Args)]
+pub struct TokenRevokeArgs {
+    /// The account the token belongs to.
+    #[arg(long)]
+    account: String,
+    /// The token's prefix, as `shoal token list` shows it.
+    prefix: String,
+    #[command(flatten)]
+    db: Db,
+}
+
+#[derive(clap::Args)]
+pub struct SetTierArgs {
+    /// The account.
+    account: String,
+    /// free, pro or team.
+    tier: String,
+    #[command(flatten)]
+    db: Db,
+}
+
+#[derive(clap::Args)]
+pub struct SandboxListArgs {
+    /// Only this account's.
+    #[arg(long)]
+    account: Option<String>,
+    #[command(flatten)]
+    db: Db,
+}
+
+#[derive(clap::Args)]
+pub struct SandboxKillArgs {
+    /// The sandboxes to kill.
+    #[arg(required = true)]
+    ids: Vec<String>,
+    #[command(flatten)]
+    db: Db,
+}
+
+/// Closes the store whatever `result` is, then yields it.
+async fn finish<T>(store: Store, result: Result<T>) -> Result<T> {
+    close_store(store).await;
+    result
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+async fn account_id(store: &Store, name: &str) -> Result<i64> {
+    Ok(store
+        .account_by_name(name)
+        .await?
+        .with_context(|| format!("no account {name}"))?
+        .id)
+}
+
+fn time(seconds: f64) -> String {
+    chrono::DateTime::from_timestamp(seconds as i64, 0).map_or_else(
+        || "-".into(),
+        |t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+    )
+}
+
+pub async fn token_list(args: TokenListArgs) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let store = &store;
+        let tokens = store
+            .account_tokens(account_id(store, &args.account).await?)
+            .await?;
+        println!("{:<14} {:<24} {:<20} EXPIRES", "PREFIX", "LABEL", "CREATED");
+        for t in tokens {
+            println!(
+                "{:<14} {:<24} {:<20} {}",
+                t.prefix,
+                if t.label.is_empty() { "-" } else { &t.label },
+                time(t.created_at),
+                t.expires_at.map_or_else(|| "never".into(), time)
+            );
+        }
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}
+
+pub async fn token_revoke(args: TokenRevokeArgs) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let store = &store;
+        let id = account_id(store, &args.account).await?;
+        match store.revoke_account_token(id, &args.prefix).await? {
+            Ok(_) => {
+                println!("revoked {} (servers refuse it within 10 s)", args.prefix);
+                Ok(())
+            }
+            Err(shoal_store::TokenRefusal::Ambiguous) => {
+                anyhow::bail!(
+                    "more than one token of {} starts with {}",
+                    args.account,
+                    args.prefix
+                )
+            }
+            Err(_) => anyhow::bail!("account {} has no token {}", args.account, args.prefix),
+        }
+    }
+    .await;
+    finish(store, result).await
+}
+
+pub async fn set_tier(args: SetTierArgs) -> Result<()> {
+    let tier: Tier = args.tier.parse().context("the tier is free, pro or team")?;
+    let store = args.db.open().await?;
+    let result = async {
+        let store = &store;
+        anyhow::ensure!(
+            store.set_account_tier(&args.account, tier).await?,
+            "no account {}",
+            args.account
+        );
+        println!("{}: {tier} (servers apply it within 10 s)", args.account);
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}
+
+pub async fn sandbox_list(args: SandboxListArgs) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let store = &store;
+        let only = match &args.account {
+            Some(name) => Some(account_id(store, name).await?),
+            None => None,
+        };
+        let mut names = std::collections::HashMap::new();
+        println!(
+            "{:<18} {:<12} {:<11} {:<10} {:<18} CREATED",
+            "ID", "ACCOUNT", "STATUS", "HOST", "TEMPLATE"
+        );
+        for row in store.list_all_live().await? {
+            if only.is_some_and(|id| id != row.account_id) {
+                continue;
+            }
+            if !names.contains_key(&row.account_id) {
+                let name = store
+                    .account_by_id(row.account_id)
+                    .await?
+                    .map_or_else(|| row.account_id.to_string(), |a| a.name);
+                names.insert(row.account_id, name);
+            }
+            println!(
+                "{:<18} {:<12} {:<11} {:<10} {:<18} {}",
+                row.id,
+                names[&row.account_id],
+                row.status,
+                row.host.as_deref().unwrap_or("-"),
+                row.template,
+                time(row.created_at)
+            );
+        }
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}
+
+pub async fn sandbox_kill(args: SandboxKillArgs) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let store = &store;
+        let mut missing = Vec::new();
+        for id in &args.ids {
+            let live = store
+                .sandbox_by_id(id)
+                .await?
+                .is_some_and(|row| row.is_live());
+            if !live {
+                missing.push(id.as_str());
+                continue;
+            }
+            let patch = SandboxPatch {
+                status: Some(status::DELETED.into()),
+                status_reason: Some("killed by the operator".into()),
+                deleted_at: Some(now()),
+                ..SandboxPatch::default()
+            };
+            store.update_sandbox(id, patch).await?;
+            println!("{id}: deleted; its host stops the VM at its next lifecycle tick");
+        }
+        anyhow::ensure!(missing.is_empty(), "no live sandbox {}", missing.join(", "));
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}

@@ -1,0 +1,82 @@
+//! The operator's database commands through the real binary on a throwaway
+//! SQLite database: tokens made, listed (never the secret) and revoked by
+//! prefix; an account's tier changed; refusals for unknown accounts,
+//! prefixes and tiers. (`shoal sandbox kill` on a live VM is held by
+//! `vm_restarts`.)
+
+use std::process::Command;
+
+fn shoal(db: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(args)
+        .args(["--database-url", db])
+        .env_remove("SHOAL_CONFIG")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn tokens_and_tiers_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("shoal.db").display());
+    let (ok, token, err) = shoal(
+        &db,
+        &["token", "create", "--account", "ada", "--tier", "pro"],
+    );
+    assert!(ok, "{err}");
+    let token = token.trim().to_string();
+    let (ok, listed, err) = shoal(&db, &["token", "list", "--account", "ada"]);
+    assert!(ok, "{err}");
+    let prefix = &token[..11];
+    assert!(listed.contains(prefix), "{listed}");
+    assert!(
+        !listed.contains(&token),
+        "a list showed the secret: {listed}"
+    );
+    let (ok, _, err) = shoal(&db, &["token", "list", "--account", "nobody"]);
+    assert!(!ok && err.contains("no account nobody"), "{err}");
+
+    let (ok, _, err) = shoal(&db, &["account", "set-tier", "ada", "team"]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = shoal(&db, &["account", "set-tier", "ada", "gold"]);
+    assert!(!ok && err.contains("free, pro or team"), "{err}");
+    let (ok, _, err) = shoal(&db, &["account", "set-tier", "nobody", "free"]);
+    assert!(!ok && err.contains("no account nobody"), "{err}");
+    let tier = shoal_testkit::block_on(async {
+        let store = shoal_store::Store::connect(&db).await.unwrap();
+        let account = store
+            .authenticate(&token)
+            .await
+            .unwrap()
+            .expect("the token works");
+        store.close().await;
+        account.tier
+    });
+    assert_eq!(tier, shoal_store::Tier::Team);
+
+    let (ok, _, err) = shoal(&db, &["token", "revoke", "--account", "ada", "sk_nothing"]);
+    assert!(!ok && err.contains("has no token"), "{err}");
+    let (ok, _, err) = shoal(&db, &["token", "revoke", "--account", "ada", prefix]);
+    assert!(ok, "{err}");
+    let still = shoal_testkit::block_on(async {
+        let store = shoal_store::Store::connect(&db).await.unwrap();
+        let still = store.authenticate(&token).await.unwrap();
+        store.close().await;
+        still
+    });
+    assert!(still.is_none(), "a revoked token still authenticates");
+
+    let (ok, listed, err) = shoal(&db, &["sandbox", "list"]);
+    assert!(ok, "{err}");
+    assert_eq!(listed.lines().count(), 1, "only the header: {listed}");
+    let (ok, _, err) = shoal(&db, &["sandbox", "kill", "sb-000000000000"]);
+    assert!(
+        !ok && err.contains("no live sandbox sb-000000000000"),
+        "{err}"
+    );
+}

@@ -1,0 +1,315 @@
+//! Sandboxes outlive a planned stop of the service, on a real `shoal up`
+//! with real VMs: SIGTERM (what `systemctl stop` and an upgrade send)
+//! hibernates a persistent sandbox running a counter and an app's sandbox;
+//! the next start wakes both before it answers, the counter's process goes
+//! on from the value it had (its memory came back, not a new boot) and the
+//! app answers through its proxy. The events say why each was hibernated
+//! and woken. On SQLite and PostgreSQL.
+//!
+//! `shoal up` runs in its own process group and is stopped by its id.
+
+use reqwest::Method;
+use serde_json::{json, Value};
+use shoal_testkit::{ApiClient, Database};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A counter in the guest: a shell loop whose only state is in memory,
+/// written out every 100 ms, in a session of its own so the exec that
+/// starts it can end.
+const COUNTER: &str = "setsid sh -c 'echo $$ > /tmp/counter.pid; i=0; \
+                       while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
+                       </dev/null >/dev/null 2>&1 &";
+
+/// QEMU processes of sandbox `id` under `state`.
+fn qemu_of(state: &std::path::Path, id: &str) -> Vec<u32> {
+    shoal_testkit::processes_mentioning(&state.join("vms").join(id).display().to_string())
+}
+
+async fn run(api: &ApiClient, id: &str, cmd: &str) -> String {
+    let out = api
+        .ok(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({ "cmd": cmd })),
+        )
+        .await;
+    assert_eq!(out["exit_code"], 0, "{cmd}: {out}");
+    out["stdout"].as_str().unwrap().trim().to_owned()
+}
+
+async fn count(api: &ApiClient, id: &str) -> u64 {
+    run(api, id, "cat /tmp/count").await.parse().unwrap()
+}
+
+async fn wait_app_running(api: &ApiClient, app: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let answer = api.ok(Method::GET, &format!("/v1/apps/{app}"), None).await;
+        assert_ne!(answer["status"], "failed", "{answer}");
+        if answer["status"] == "running" {
+            return answer;
+        }
+        assert!(Instant::now() < deadline, "the app is still {answer}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+async fn planned_stop_keeps_sandboxes(database_url: &str, state: PathBuf) {
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::create_dir_all(&state).unwrap();
+    let mut up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+        .database_url(database_url)
+        .ready_within(Duration::from_secs(900))
+        .start()
+        .await;
+    let api = ApiClient::new(up.base(), up.token("keeper"));
+    let created = api
+        .ok(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "base", "persistent": true})),
+        )
+        .await;
+    let id = created["id"].as_str().unwrap().to_owned();
+    run(&api, &id, COUNTER).await;
+    let pid = run(&api, &id, "sleep 0.5; cat /tmp/counter.pid").await;
+    let app = api
+        .ok(
+            Method::POST,
+            "/v1/apps",
+            Some(json!({
+                "name": "kept",
+                "template": "code-interpreter",
+                "start_cmd": "mkdir -p /srv && cd /srv && echo kept > hello.txt \
+                              && exec python3 -m http.server 8000",
+                "port": 8000,
+                "idle_seconds": 3600,
+            })),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let app_sandbox = wait_app_running(&api, &app).await["sandbox_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let before = count(&api, &id).await;
+    let stopping = Instant::now();
+    up.signal(shoal_testkit::SIGTERM);
+    let stop_seconds = stopping.elapsed().as_secs_f64();
+    let starting = Instant::now();
+    up.restart().await;
+    let start_seconds = starting.elapsed().as_secs_f64();
+    println!("planned stop: {stop_seconds:.1} s, start: {start_seconds:.1} s");
+    let api = ApiClient {
+        base: up.base().to_owned(),
+        ..api
+    };
+
+    // Woken before the server answered: running, no reason left over.
+    let row = api
+        .ok(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(row["status"], "running", "{row}");
+    assert!(row["status_reason"].is_null(), "{row}");
+    let after = count(&api, &id).await;
+    assert!(
+        after >= before,
+        "the counter went back from {before} to {after}: not the same memory"
+    );
+    assert_eq!(
+        run(&api, &id, "cat /tmp/counter.pid").await,
+        pid,
+        "the counter's process did not survive"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let later = count(&api, &id).await;
+    assert!(later > after, "the counter stopped at {after}");
+
+    let events = api
+        .ok(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/events?tail=10"),
+            None,
+        )
+        .await;
+    let list = events["events"].as_array().unwrap();
+    let reason = |kind: &str| {
+        list.iter()
+            .rev()
+            .find(|e| e["type"] == kind)
+            .map(|e| e["payload"]["reason"].clone())
+    };
+    assert_eq!(
+        reason("sandbox.hibernated"),
+        Some(json!("the service stopped")),
+        "{events}"
+    );
+    assert_eq!(
+        reason("sandbox.woken"),
+        Some(json!("the service started")),
+        "{events}"
+    );
+
+    // The app's sandbox came back too, and the app answers.
+    let sandbox = api
+        .ok(Method::GET, &format!("/v1/sandboxes/{app_sandbox}"), None)
+        .await;
+    assert_eq!(sandbox["status"], "running", "{sandbox}");
+    let hello = api
+        .call(
+            Method::GET,
+            &format!("/v1/apps/{app}/proxy/hello.txt"),
+            None,
+        )
+        .await;
+    assert_eq!(hello.text, "kept\n", "{}", hello.status);
+
+    api.ok(Method::DELETE, &format!("/v1/apps/{app}"), None)
+        .await;
+    api.call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+}
+
+#[test]
+fn planned_stop_keeps_sandboxes_sqlite() {
+    shoal_testkit::with_database(
+        Database::Sqlite,
+        "vm_restarts_sqlite",
+        |url, state| async move { planned_stop_keeps_sandboxes(&url, state).await },
+    );
+}
+
+#[test]
+fn planned_stop_keeps_sandboxes_postgres() {
+    shoal_testkit::with_database(
+        Database::Postgres,
+        "vm_restarts_pg",
+        |url, state| async move { planned_stop_keeps_sandboxes(&url, state).await },
+    );
+}
+
+/// The configuration file and the environment, on a real `shoal up`: a
+/// tier's limit set in the file is the one admission holds to (the second
+/// sandbox of a team account whose file limit is 1 is a 429), and `shoal
+/// config show` names each value's source.
+#[test]
+fn the_configuration_file_sets_tier_limits() {
+    shoal_testkit::block_on(async {
+        let state = shoal_testkit::state_dir("vm_restarts_config");
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(&state).unwrap();
+        let file = state.join("shoal.toml");
+        std::fs::write(
+            &file,
+            "[up]\nreap-interval = 7\n\n[tiers.team]\nconcurrent = 1\n\n[rates]\ncpu_hour_usd = 1.5\n",
+        )
+        .unwrap();
+        let shown = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .args(["config", "show", "up", "--config"])
+            .arg(&file)
+            .env("SHOAL_MAX_SANDBOXES", "3")
+            .output()
+            .unwrap();
+        assert!(shown.status.success(), "{shown:?}");
+        let shown = String::from_utf8(shown.stdout).unwrap();
+        let file_name = file.display().to_string();
+        for line in [
+            format!("reap-interval = \"7\"  # file {file_name}"),
+            "max-sandboxes = \"3\"  # environment SHOAL_MAX_SANDBOXES".to_string(),
+            "listen = \"127.0.0.1:8080\"  # default".to_string(),
+        ] {
+            assert!(shown.contains(&line), "{line:?} not in {shown}");
+        }
+        let bad = state.join("bad.toml");
+        std::fs::write(&bad, "[up]\nlisen = \"0.0.0.0:1\"\n").unwrap();
+        let refused = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+            .arg("--config")
+            .arg(&bad)
+            .args(["config", "show"])
+            .output()
+            .unwrap();
+        assert!(!refused.status.success());
+        assert!(
+            String::from_utf8_lossy(&refused.stderr).contains("no command reads up.lisen"),
+            "{refused:?}"
+        );
+
+        let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
+            .args([std::ffi::OsString::from("--config"), file.into_os_string()])
+            .ready_within(Duration::from_secs(900))
+            .start()
+            .await;
+        let api = ApiClient::new(up.base(), up.token("limited"));
+        let first = api
+            .call(
+                Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "base"})),
+            )
+            .await;
+        assert_eq!(first.status.as_u16(), 201, "{}", first.text);
+        let second = api
+            .call(
+                Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "base"})),
+            )
+            .await;
+        assert_eq!(second.status.as_u16(), 429, "{}", second.text);
+        let me = api.ok(Method::GET, "/v1/me", None).await;
+        assert_eq!(me["limits"]["max_concurrent_sandboxes"], 1, "{me}");
+        // The operator lists every account's sandboxes and kills one: the
+        // API sees it gone at once, its QEMU goes at the host's next tick.
+        let id = first.json["id"].as_str().unwrap().to_owned();
+        let database = format!("sqlite:{}", state.join("shoal.db").display());
+        let operator = |args: &[&str]| {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_shoal"))
+                .args(args)
+                .args(["--database-url", &database])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{args:?}: {out:?}");
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let listed = operator(&["sandbox", "list"]);
+        assert!(
+            listed
+                .lines()
+                .any(|l| l.starts_with(&id) && l.contains("limited") && l.contains("running")),
+            "{listed}"
+        );
+        assert!(!qemu_of(&state, &id).is_empty(), "no QEMU for {id}");
+        operator(&["sandbox", "kill", &id]);
+        let gone = api
+            .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+            .await;
+        assert_eq!(gone.status.as_u16(), 404, "{}", gone.text);
+        assert!(
+            shoal_testkit::wait_until(Duration::from_secs(30), || async {
+                qemu_of(&state, &id).is_empty()
+            })
+            .await,
+            "the killed sandbox's QEMU still runs"
+        );
+        let third = api
+            .call(
+                Method::POST,
+                "/v1/sandboxes",
+                Some(json!({"template": "base"})),
+            )
+            .await;
+        assert_eq!(
+            third.status.as_u16(),
+            201,
+            "room again after the kill: {}",
+            third.text
+        );
+        let third = third.json["id"].as_str().unwrap().to_owned();
+        api.call(Method::DELETE, &format!("/v1/sandboxes/{third}"), None)
+            .await;
+    });
+}
