@@ -246,7 +246,7 @@ pub fn env_name(long: &str) -> String {
     format!("SHOAL_{}", long.replace('-', "_").to_uppercase())
 }
 
-fn leak(text: String) -> &'static str {
+pub(crate) fn leak(text: String) -> &'static str {
     // Each command's tree is built once per process; its strings live as
     // long as the process.
     Box::leak(text.into_boxed_str())

@@ -181,6 +181,11 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// Print a shell's completion script (bash, zsh, fish, elvish,
+    /// powershell): `shoal completions bash > /etc/bash_completion.d/shoal`.
+    Completions { shell: clap_complete::Shell },
+    /// Write the manual pages (shoal.1 and one per command) into DIR.
+    Man { dir: PathBuf },
     /// Measure the engine and write a JSON report.
     Bench {
         #[command(subcommand)]
@@ -327,6 +332,29 @@ fn main() -> std::process::ExitCode {
             }
         };
     }
+    match &cli.command {
+        Command::Completions { shell } => {
+            let mut command = command;
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut command, "shoal", &mut script);
+            // A reader that stops early (`| head`) is no error of ours.
+            let _ = std::io::Write::write_all(&mut std::io::stdout(), &script);
+            return std::process::ExitCode::SUCCESS;
+        }
+        Command::Man { dir } => {
+            return match write_manual(command, dir) {
+                Ok(pages) => {
+                    eprintln!("{pages} manual pages in {}", dir.display());
+                    std::process::ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("error: {}", error_chain(&error));
+                    std::process::ExitCode::FAILURE
+                }
+            };
+        }
+        _ => {}
+    }
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
@@ -351,6 +379,31 @@ fn parse_command_line() -> Result<(Cli, clap::Command, config::FromFile)> {
     };
     config::set_file(file);
     Ok((cli, command, from_file))
+}
+
+/// `shoal.1` and `shoal-COMMAND[-SUB].1` for every command, into `dir`;
+/// how many pages were written.
+fn write_manual(command: clap::Command, dir: &Path) -> Result<usize> {
+    fn page(command: &clap::Command, name: &str, dir: &Path, written: &mut usize) -> Result<()> {
+        let command = command.clone().name(config::leak(name.to_string()));
+        let path = dir.join(format!("{name}.1"));
+        let mut out = Vec::new();
+        clap_mangen::Man::new(command.clone()).render(&mut out)?;
+        std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))?;
+        *written += 1;
+        for sub in command.get_subcommands() {
+            if !sub.is_hide_set() && sub.get_name() != "help" {
+                page(sub, &format!("{name}-{}", sub.get_name()), dir, written)?;
+            }
+        }
+        Ok(())
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut written = 0;
+    let mut command = command;
+    command.build();
+    page(&command, "shoal", dir, &mut written)?;
+    Ok(written)
 }
 
 fn error_chain(error: &anyhow::Error) -> String {
@@ -573,7 +626,9 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Sinfo(args) => slurm::sinfo(args).await,
         Command::Sync(args) => slurm::sync(args).await,
         // Answered before the runtime starts (see `main`).
-        Command::Config { .. } => Ok(std::process::ExitCode::SUCCESS),
+        Command::Config { .. } | Command::Completions { .. } | Command::Man { .. } => {
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Command::Bench {
             command: BenchCommand::Engine(args),
         } => {

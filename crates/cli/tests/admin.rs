@@ -80,3 +80,32 @@ fn tokens_and_tiers_from_the_command_line() {
         "{err}"
     );
 }
+
+/// Completion scripts and manual pages come from the same command tree.
+#[test]
+fn completions_and_manual_pages() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let script = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        script.contains("_shoal()") && script.contains("--state-dir"),
+        "{script}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .arg("man")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let up = std::fs::read_to_string(dir.path().join("shoal-up.1")).unwrap();
+    assert!(
+        up.contains(".TH shoal-up") && up.contains("reap\\-interval"),
+        "{up}"
+    );
+    assert!(dir.path().join("shoal-token-revoke.1").exists());
+    assert!(!dir.path().join("shoal-help.1").exists());
+}
