@@ -15,10 +15,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// A counter in the guest: a shell loop whose only state is in memory,
-/// written out every 100 ms, in a session of its own so the exec that
+/// written out every 100 ms (renamed into place, so a read never sees a
+/// half-written file), in a session of its own so the exec that
 /// starts it can end.
 const COUNTER: &str = "setsid sh -c 'echo $$ > /tmp/counter.pid; i=0; \
-                       while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
+                       while :; do i=$((i+1)); echo $i > /tmp/count.new; \
+                       mv /tmp/count.new /tmp/count; sleep 0.1; done' \
                        </dev/null >/dev/null 2>&1 &";
 
 /// QEMU processes of sandbox `id` under `state`.
