@@ -1,7 +1,7 @@
 """Fixtures for driving `shoal up` with the real, unmodified `pandastack` SDK.
 
 Owns: starting `shoal up` as a subprocess in its own process group, waiting
-for `GET /healthz`, minting tokens with `shoal token create`, SDK clients
+for `GET /readyz`, minting tokens with `shoal token create`, SDK clients
 bound to those tokens, and stopping exactly that process group afterwards
 (SIGTERM, then SIGKILL after 15 s). Leaves everything about sandboxes to the
 tests; `docs/api/CONTRACT.md` is what they hold the server to.
@@ -12,7 +12,7 @@ Environment:
   SHOAL_DATABASE_URL    database of the main server (default: a SQLite file in the temp dir)
   SHOAL_CACHE_DIR       passed as --cache-dir when set (where baked templates live)
   SHOAL_GUEST_AGENT     read by `shoal up` itself: the guest agent to bake (scripts/test sets it)
-  SHOAL_STARTUP_TIMEOUT seconds to wait for /healthz (default 300)
+  SHOAL_STARTUP_TIMEOUT seconds to wait for /readyz (default 300)
   SHOAL_KEEP_TMP=1      keep the temp dir (server logs) even when every test passed
 """
 
@@ -113,17 +113,17 @@ class ShoalServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"{self.name}: `{' '.join(self.command())}` exited with {self.proc.returncode} "
-                    f"before /healthz answered:\n{self.log_tail()}"
+                    f"before /readyz answered:\n{self.log_tail()}"
                 )
             try:
-                r = requests.get(f"{self.url}/healthz", timeout=2)
+                r = requests.get(f"{self.url}/readyz", timeout=2)
                 if r.status_code == 200:
                     return
             except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"{self.name}: /healthz did not answer 200 in time:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name}: /readyz did not answer 200 in time:\n{self.log_tail()}")
             time.sleep(0.1)
 
     def stop(self) -> None:

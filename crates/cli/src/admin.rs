@@ -236,3 +236,80 @@ pub async fn sandbox_kill(args: SandboxKillArgs) -> Result<()> {
     .await;
     finish(store, result).await
 }
+
+#[derive(clap::Args)]
+pub struct HostListArgs {
+    #[command(flatten)]
+    db: Db,
+}
+
+#[derive(clap::Args)]
+pub struct HostDrainArgs {
+    /// The host, as `shoal host list` names it.
+    name: String,
+    #[command(flatten)]
+    db: Db,
+}
+
+/// How long ago a host's heartbeat may be for it to count as up (the
+/// fronts' own figure).
+const HOST_STALE_AFTER_SECONDS: f64 = 15.0;
+
+pub async fn host_list(args: HostListArgs) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let now = now();
+        println!(
+            "{:<16} {:<28} {:<9} {:>5} {:>9} {:>9} {:>9} {:>10}",
+            "HOST", "URL", "STATE", "VCPUS", "MEM_MIB", "FREE_MIB", "SANDBOXES", "HEARTBEAT"
+        );
+        for host in store.hosts(now).await? {
+            let report = &host.report;
+            let state = if host.drained {
+                "drained"
+            } else if report.draining {
+                "draining"
+            } else if !host.is_fresh(now, HOST_STALE_AFTER_SECONDS) {
+                "silent"
+            } else {
+                "up"
+            };
+            println!(
+                "{:<16} {:<28} {:<9} {:>5} {:>9} {:>9} {:>9} {:>9.0}s",
+                report.id,
+                report.url,
+                state,
+                report.vcpus,
+                report.memory_mib,
+                report.available_mib,
+                report.sandboxes,
+                (now - host.heartbeat_at).max(0.0)
+            );
+        }
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}
+
+/// Drains a host (`drained`) or resumes it. A drained host gets no new
+/// placements; the sandboxes on it run on until they end, are deleted or
+/// idle out (their rows' lifecycles are unchanged).
+pub async fn host_drain(args: HostDrainArgs, drained: bool) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let found = store.set_host_drained(&args.name, drained).await?;
+        anyhow::ensure!(found, "no host {} (see shoal host list)", args.name);
+        if drained {
+            println!(
+                "{}: drained; no new sandboxes are placed on it, its own run on",
+                args.name
+            );
+        } else {
+            println!("{}: takes new sandboxes again", args.name);
+        }
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}

@@ -107,7 +107,7 @@ pub(crate) async fn start_server(
     let deadline = Instant::now() + Duration::from_secs(900);
     loop {
         let ready = http
-            .get(format!("{base}/healthz"))
+            .get(format!("{base}/readyz"))
             .timeout(Duration::from_secs(5))
             .send()
             .await
@@ -117,7 +117,7 @@ pub(crate) async fn start_server(
         }
         if Instant::now() > deadline {
             bail!(
-                "shoal up did not answer /healthz; see {}",
+                "shoal up did not answer /readyz; see {}",
                 server.state.join("up.log").display()
             );
         }

@@ -120,6 +120,7 @@ pub async fn server(args: ServerArgs) -> Result<()> {
     );
     use std::io::Write;
     std::io::stdout().flush()?;
+    crate::notify::ready(&format!("serving on {}", listener.local_addr()?));
     crate::up::serve_router(listener, shoal_fleet::front::router(front), tls).await?;
     crate::up::close_store(store).await;
     Ok(())

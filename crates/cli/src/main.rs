@@ -13,6 +13,7 @@ mod bench_sweep;
 mod bench_template;
 mod config;
 mod fleet;
+mod notify;
 mod slurm;
 mod templates;
 mod tree;
@@ -32,8 +33,52 @@ struct Cli {
     /// variable win over it.
     #[arg(long, global = true, env = "SHOAL_CONFIG")]
     config: Option<PathBuf>,
+    /// How log lines are written to stderr: text, or json (one object per
+    /// line, for a log shipper).
+    #[arg(long, global = true, env = "SHOAL_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+    /// Which log lines are written: a level (error, warn, info, debug,
+    /// trace) or a filter (`shoal_engine=debug,info`); RUST_LOG wins over
+    /// it. Default: info for the services (up, server, agent), warn for
+    /// every other command.
+    #[arg(long, global = true, env = "SHOAL_LOG")]
+    log: Option<String>,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+impl Cli {
+    /// Logs to stderr as asked; a request log line (`request`) per API
+    /// request at info.
+    fn init_logging(&self) {
+        let service = matches!(
+            self.command,
+            Command::Up(_) | Command::Server(_) | Command::Agent(_)
+        );
+        let default = self
+            .log
+            .clone()
+            .unwrap_or_else(|| if service { "info" } else { "warn" }.to_owned());
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .or_else(|_| tracing_subscriber::EnvFilter::try_new(&default))
+            .unwrap_or_else(|e| {
+                eprintln!("warning: --log {default:?}: {e}; logging at warn");
+                tracing_subscriber::EnvFilter::new("warn")
+            });
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        match self.log_format {
+            LogFormat::Text => builder.init(),
+            LogFormat::Json => builder.json().init(),
+        }
+    }
 }
 
 #[derive(Args, Clone)]
@@ -253,6 +298,12 @@ enum HostCommand {
     JoinToken(fleet::JoinTokenArgs),
     /// Cut a host off: its credential stops working and its sandboxes are lost.
     Revoke(fleet::RevokeArgs),
+    /// The fleet's hosts: address, state, capacity, sandboxes, heartbeat age.
+    List(admin::HostListArgs),
+    /// Place no new sandboxes on a host; those on it run on until they end.
+    Drain(admin::HostDrainArgs),
+    /// Undo a drain: the host takes new sandboxes again.
+    Resume(admin::HostDrainArgs),
 }
 
 #[derive(Subcommand)]
@@ -303,13 +354,6 @@ enum BenchCommand {
 }
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let (cli, command, from_file) = match parse_command_line() {
         Ok(parsed) => parsed,
         Err(error) => {
@@ -317,6 +361,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    cli.init_logging();
     if let Command::Config {
         command: ConfigCommand::Show { command: path },
     } = &cli.command
@@ -594,6 +639,24 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             fleet::revoke(args).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
+        Command::Host {
+            command: HostCommand::List(args),
+        } => {
+            admin::host_list(args).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Host {
+            command: HostCommand::Drain(args),
+        } => {
+            admin::host_drain(args, true).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Host {
+            command: HostCommand::Resume(args),
+        } => {
+            admin::host_drain(args, false).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Command::Token { command } => {
             match command {
                 TokenCommand::Create(args) => up::token(args).await?,
@@ -676,24 +739,59 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
 
 /// The guest agent binary: given, else the static (musl) build of this
 /// workspace (`scripts/build-agent`), else `shoal-guest-agent` beside this
-/// binary. Only a static agent runs on imported root filesystems.
+/// binary, else the Debian package's (`/usr/lib/shoal/shoal-guest-agent`
+/// for `/usr/bin/shoal`: `<exe dir>/../lib/shoal/`). Only a static agent
+/// runs on imported root filesystems.
 fn guest_agent_path(given: Option<PathBuf>) -> Result<PathBuf> {
     if let Some(path) = given {
         return Ok(path);
     }
     let exe = std::env::current_exe().context("locating the shoal binary")?;
-    let beside = exe.with_file_name("shoal-guest-agent");
-    let static_build = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|target| target.join("x86_64-unknown-linux-musl/release/shoal-guest-agent"));
-    if let Some(found) = static_build.filter(|p| p.is_file()) {
-        return Ok(found);
+    let candidates = guest_agent_candidates(&exe);
+    if let Some(found) = candidates.iter().find(|p| p.is_file()) {
+        return Ok(found.clone());
     }
-    anyhow::ensure!(
-        beside.exists(),
+    anyhow::bail!(
         "no guest agent at {}; build it with scripts/build-agent or pass --guest-agent",
-        beside.display()
-    );
-    Ok(beside)
+        candidates
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" or ")
+    )
+}
+
+/// Where [`guest_agent_path`] looks, in order, for the binary `exe`.
+fn guest_agent_candidates(exe: &Path) -> Vec<PathBuf> {
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    let mut candidates = Vec::new();
+    if let Some(target) = dir.parent() {
+        candidates.push(target.join("x86_64-unknown-linux-musl/release/shoal-guest-agent"));
+    }
+    candidates.push(dir.join("shoal-guest-agent"));
+    if let Some(prefix) = dir.parent() {
+        candidates.push(prefix.join("lib/shoal/shoal-guest-agent"));
+    }
+    candidates
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_packaged_guest_agent_is_found_beside_the_packaged_binary() {
+        assert_eq!(
+            guest_agent_candidates(Path::new("/usr/bin/shoal")),
+            [
+                PathBuf::from("/usr/x86_64-unknown-linux-musl/release/shoal-guest-agent"),
+                PathBuf::from("/usr/bin/shoal-guest-agent"),
+                PathBuf::from("/usr/lib/shoal/shoal-guest-agent"),
+            ]
+        );
+        assert_eq!(
+            guest_agent_candidates(Path::new("/w/target/release/shoal"))[0],
+            Path::new("/w/target/x86_64-unknown-linux-musl/release/shoal-guest-agent")
+        );
+    }
 }

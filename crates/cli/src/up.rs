@@ -2,6 +2,7 @@
 //! `shoal token create`.
 
 use anyhow::{Context, Result};
+use shoal_control::readiness::{self, Readiness, RouterSwitch};
 use shoal_control::{ControlConfig, ControlPlane};
 use shoal_host::{HostAgent, HostConfig};
 use shoal_store::{Store, Tier};
@@ -71,6 +72,7 @@ pub async fn serve_router(
     tls: Option<axum_server::tls_rustls::RustlsConfig>,
 ) -> Result<()> {
     use std::net::SocketAddr;
+    let router = with_request_log(router);
     match tls {
         None => {
             // Answers are small and written whole: no reason to let Nagle
@@ -99,6 +101,46 @@ pub async fn serve_router(
         }
     }
     Ok(())
+}
+
+/// Every request gets an id (the client's `x-request-id`, else a new
+/// UUID), sent back in the answer's `x-request-id`, and a log line at info
+/// when answered: method, path (never the query, which may hold a token),
+/// status and milliseconds, in a span that carries the id, so that what a
+/// handler logs names the request too.
+fn with_request_log(router: axum::Router) -> axum::Router {
+    use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+    use tower_http::trace::TraceLayer;
+    let trace = TraceLayer::new_for_http()
+        .make_span_with(|request: &axum::http::Request<_>| {
+            let id = request
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .map(|v| &v[..v.len().min(64)])
+                .unwrap_or("");
+            tracing::info_span!(
+                "request",
+                id,
+                method = %request.method(),
+                path = request.uri().path(),
+            )
+        })
+        .on_request(())
+        .on_response(
+            |response: &axum::http::Response<_>, latency: std::time::Duration, _: &tracing::Span| {
+                tracing::info!(
+                    status = response.status().as_u16(),
+                    ms = latency.as_secs_f64() * 1e3,
+                    "answered"
+                );
+            },
+        )
+        .on_failure(());
+    router
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(trace)
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
 }
 
 /// How a host runs its sandboxes (`shoal up` and `shoal agent`).
@@ -143,6 +185,10 @@ pub struct HostArgs {
     /// the requests.
     #[arg(long = "registry", value_name = "REGISTRY")]
     pub registries: Vec<shoal_control::registry::Registry>,
+    /// The bearer token Prometheus sends to scrape `/metrics`; without
+    /// one, only peers on loopback may.
+    #[arg(long, env = "SHOAL_METRICS_TOKEN")]
+    pub metrics_token: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -301,46 +347,74 @@ pub struct HostServe<'a> {
 /// hibernates this host's sandboxes, for the next start to wake.
 pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
     let args = serve.args;
-    let host = open_host(args).await?;
-    // A fleet's agent opens the database with its own role, which may not
-    // migrate the schema (the fronts do) nor read tokens (fronts name the
-    // caller's account instead).
-    let fleet_agent = serve.only_fronts.is_some();
-    let store = if fleet_agent {
-        Store::connect_as_host(&serve.database_url).await
-    } else {
-        Store::connect(&serve.database_url).await
+    // The port answers from the first moment: /healthz, and /readyz with
+    // what the start is doing (baking templates takes minutes the first
+    // time); the API's routes once all is done.
+    let readiness = Readiness::new("opening the engine");
+    let mut starting = readiness::starting_router(readiness.clone());
+    if let Some(key) = &serve.only_fronts {
+        starting = shoal_fleet::only_fronts(starting, key.clone());
     }
-    .with_context(|| format!("opening the database {}", redacted(&serve.database_url)))?
-    .with_rate_card(crate::config::file().rate_card()?);
-    let mut config = ControlConfig {
-        host_name: serve.host_name,
-        account_header: fleet_agent.then_some(shoal_fleet::ACCOUNT_HEADER),
-        registries: args.registries.clone(),
-        limits: crate::config::file().tier_limits()?,
-        ..ControlConfig::default()
-    };
-    config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
-    if let Some(n) = args.sweep_max_starting {
-        config.sweeps.max_starting = n;
-    }
-    config.sweeps.command_priority = args.sweep_command_priority;
-    let control = ControlPlane::new(store.clone(), host.clone(), config);
-    control
-        .start_background()
-        .await
-        .map_err(|e| anyhow::anyhow!("reconciling the database with the host: {}", e.message))?;
-
+    let switch = RouterSwitch::new(starting);
     let address = serve.listener.local_addr()?;
-    (serve.started)(address, &store, &host);
-    use std::io::Write;
-    std::io::stdout().flush()?;
+    let mut server = tokio::spawn(serve_router(serve.listener, switch.router(), serve.tls));
+    crate::notify::status("opening the engine, baking templates (the first start takes minutes)");
+    let start = async {
+        let host = open_host(args, Some(&readiness)).await?;
+        readiness.phase("opening the database");
+        // A fleet's agent opens the database with its own role, which may
+        // not migrate the schema (the fronts do) nor read tokens (fronts
+        // name the caller's account instead).
+        let fleet_agent = serve.only_fronts.is_some();
+        let store = if fleet_agent {
+            Store::connect_as_host(&serve.database_url).await
+        } else {
+            Store::connect(&serve.database_url).await
+        }
+        .with_context(|| format!("opening the database {}", redacted(&serve.database_url)))?
+        .with_rate_card(crate::config::file().rate_card()?);
+        let mut config = ControlConfig {
+            host_name: serve.host_name,
+            account_header: fleet_agent.then_some(shoal_fleet::ACCOUNT_HEADER),
+            registries: args.registries.clone(),
+            limits: crate::config::file().tier_limits()?,
+            metrics_token: args.metrics_token.clone(),
+            ..ControlConfig::default()
+        };
+        config.lifecycle.reap_interval = std::time::Duration::from_secs(args.reap_interval.max(1));
+        if let Some(n) = args.sweep_max_starting {
+            config.sweeps.max_starting = n;
+        }
+        config.sweeps.command_priority = args.sweep_command_priority;
+        let control = ControlPlane::new(store.clone(), host.clone(), config);
+        readiness.phase("reconciling the database with the host, waking hibernated sandboxes");
+        control.start_background().await.map_err(|e| {
+            anyhow::anyhow!("reconciling the database with the host: {}", e.message)
+        })?;
+        anyhow::Ok((host, store, control))
+    };
+    let (host, store, control) = tokio::select! {
+        started = start => started?,
+        // SIGTERM or Ctrl-C while starting: nothing is served yet, and
+        // whatever the engine adopted or woke keeps running for the next
+        // start to adopt.
+        served = &mut server => {
+            served.context("the server task")??;
+            anyhow::bail!("stopped before the service was ready");
+        }
+    };
 
     let mut router = shoal_control::router(control.clone());
     if let Some(key) = serve.only_fronts {
         router = shoal_fleet::only_fronts(router, key);
     }
-    serve_router(serve.listener, router, serve.tls).await?;
+    switch.serve(router);
+    (serve.started)(address, &store, &host);
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    crate::notify::ready(&format!("serving on {address}"));
+    tracing::info!(%address, "ready");
+    server.await.context("the server task")??;
     // A planned stop keeps the sandboxes: hibernated now, woken by the
     // next start. What could not be hibernated stops with the process.
     eprintln!("shutting down: hibernating this host's sandboxes");
@@ -352,9 +426,12 @@ pub async fn serve_host(serve: HostServe<'_>) -> Result<Arc<HostAgent>> {
 }
 
 /// The host agent, with the first-party templates built (or checked).
-pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
+pub async fn open_host(args: &HostArgs, readiness: Option<&Readiness>) -> Result<Arc<HostAgent>> {
     let mut engine = args.engine.config();
     engine.state_dir = args.engine.state_dir.clone();
+    // The service owns its VMs' rows: what outlived a crash is adopted,
+    // and the control plane's reconcile kills what no row claims.
+    engine.adopt_survivors = true;
     let agent = super::guest_agent_path(args.guest_agent.clone())?;
     let host = HostAgent::open(HostConfig {
         engine,
@@ -367,7 +444,15 @@ pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
     .await
     .context("opening the host agent")?;
     let progress = indicatif::MultiProgress::new();
-    for spec in shoal_image::first_party_templates() {
+    let templates = shoal_image::first_party_templates();
+    if let Some(readiness) = readiness {
+        readiness.phase("baking templates (the first start takes minutes)");
+        readiness.templates(templates.len());
+    }
+    for spec in templates {
+        if let Some(readiness) = readiness {
+            readiness.baking(&spec.name);
+        }
         let manifest = host
             .engine()
             .build_template(&spec.name, &agent, &progress)
@@ -381,6 +466,9 @@ pub async fn open_host(args: &HostArgs) -> Result<Arc<HostAgent>> {
             "template {}: ready ({} vCPUs, {} MiB, {})",
             spec.name, manifest.vcpus, manifest.memory_mib, manifest.accel
         );
+        if let Some(readiness) = readiness {
+            readiness.template_ready();
+        }
     }
     Ok(host)
 }
@@ -414,4 +502,5 @@ pub async fn shutdown_signal() {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
+    crate::notify::stopping();
 }

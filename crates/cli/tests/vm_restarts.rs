@@ -1,5 +1,7 @@
-//! Sandboxes outlive a planned stop of the service, on a real `shoal up`
-//! with real VMs: SIGTERM (what `systemctl stop` and an upgrade send)
+//! Sandboxes outlive the service, on a real `shoal up` with real VMs. A
+//! crash (SIGKILL) leaves the VMs running and the next start adopts them:
+//! the same QEMU process, a counter that never stopped, an app that
+//! answers. A planned stop, SIGTERM (what `systemctl stop` and an upgrade send),
 //! hibernates a persistent sandbox running a counter and an app's sandbox;
 //! the next start wakes both before it answers, the counter's process goes
 //! on from the value it had (its memory came back, not a new boot) and the
@@ -57,7 +59,23 @@ async fn wait_app_running(api: &ApiClient, app: &str) -> Value {
     }
 }
 
-async fn planned_stop_keeps_sandboxes(database_url: &str, state: PathBuf) {
+/// The app's sandbox runs and the app answers through its proxy.
+async fn app_answers(api: &ApiClient, app: &str, app_sandbox: &str) {
+    let sandbox = api
+        .ok(Method::GET, &format!("/v1/sandboxes/{app_sandbox}"), None)
+        .await;
+    assert_eq!(sandbox["status"], "running", "{sandbox}");
+    let hello = api
+        .call(
+            Method::GET,
+            &format!("/v1/apps/{app}/proxy/hello.txt"),
+            None,
+        )
+        .await;
+    assert_eq!(hello.text, "kept\n", "{}", hello.status);
+}
+
+async fn restarts_keep_sandboxes(database_url: &str, state: PathBuf) {
     let _ = std::fs::remove_dir_all(&state);
     std::fs::create_dir_all(&state).unwrap();
     let mut up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
@@ -98,6 +116,47 @@ async fn planned_stop_keeps_sandboxes(database_url: &str, state: PathBuf) {
         .unwrap()
         .to_owned();
 
+    let qemu_pid = qemu_of(&state, &id);
+    assert_eq!(qemu_pid.len(), 1, "{qemu_pid:?}");
+
+    // A crash: the service is killed, its VMs are not. The next start
+    // adopts them (the same QEMU), and the counter never stopped.
+    let before = count(&api, &id).await;
+    up.signal(shoal_testkit::SIGKILL);
+    assert_eq!(qemu_of(&state, &id), qemu_pid, "the sandbox's QEMU died with the service");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let starting = Instant::now();
+    up.restart().await;
+    println!("start after SIGKILL: {:.1} s", starting.elapsed().as_secs_f64());
+    let api = ApiClient {
+        base: up.base().to_owned(),
+        ..api
+    };
+    assert_eq!(qemu_of(&state, &id), qemu_pid, "the VM was not adopted");
+    let row = api
+        .ok(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(row["status"], "running", "{row}");
+    let after = count(&api, &id).await;
+    assert!(
+        after >= before + 5,
+        "the counter went from {before} to only {after} across a second without the service"
+    );
+    assert_eq!(
+        run(&api, &id, "cat /tmp/counter.pid").await,
+        pid,
+        "the counter's process did not survive"
+    );
+    app_answers(&api, &app, &app_sandbox).await;
+    // What the adopted VM does next works as before: a pause and a resume
+    // over the new QMP connection, a file in and out over the new agent one.
+    api.ok(Method::POST, &format!("/v1/sandboxes/{id}/pause"), None)
+        .await;
+    api.ok(Method::POST, &format!("/v1/sandboxes/{id}/resume"), None)
+        .await;
+    assert_eq!(run(&api, &id, "echo adopted > /tmp/a; cat /tmp/a").await, "adopted");
+
+    // A planned stop: hibernated, then woken by the next start.
     let before = count(&api, &id).await;
     let stopping = Instant::now();
     up.signal(shoal_testkit::SIGTERM);
@@ -155,20 +214,7 @@ async fn planned_stop_keeps_sandboxes(database_url: &str, state: PathBuf) {
         Some(json!("the service started")),
         "{events}"
     );
-
-    // The app's sandbox came back too, and the app answers.
-    let sandbox = api
-        .ok(Method::GET, &format!("/v1/sandboxes/{app_sandbox}"), None)
-        .await;
-    assert_eq!(sandbox["status"], "running", "{sandbox}");
-    let hello = api
-        .call(
-            Method::GET,
-            &format!("/v1/apps/{app}/proxy/hello.txt"),
-            None,
-        )
-        .await;
-    assert_eq!(hello.text, "kept\n", "{}", hello.status);
+    app_answers(&api, &app, &app_sandbox).await;
 
     api.ok(Method::DELETE, &format!("/v1/apps/{app}"), None)
         .await;
@@ -177,20 +223,20 @@ async fn planned_stop_keeps_sandboxes(database_url: &str, state: PathBuf) {
 }
 
 #[test]
-fn planned_stop_keeps_sandboxes_sqlite() {
+fn restarts_keep_sandboxes_sqlite() {
     shoal_testkit::with_database(
         Database::Sqlite,
         "vm_restarts_sqlite",
-        |url, state| async move { planned_stop_keeps_sandboxes(&url, state).await },
+        |url, state| async move { restarts_keep_sandboxes(&url, state).await },
     );
 }
 
 #[test]
-fn planned_stop_keeps_sandboxes_postgres() {
+fn restarts_keep_sandboxes_postgres() {
     shoal_testkit::with_database(
         Database::Postgres,
         "vm_restarts_pg",
-        |url, state| async move { planned_stop_keeps_sandboxes(&url, state).await },
+        |url, state| async move { restarts_keep_sandboxes(&url, state).await },
     );
 }
 
@@ -242,10 +288,14 @@ fn the_configuration_file_sets_tier_limits() {
 
         let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
             .args([std::ffi::OsString::from("--config"), file.into_os_string()])
+            .args(["--log-format", "json"])
             .ready_within(Duration::from_secs(900))
             .start()
             .await;
         let api = ApiClient::new(up.base(), up.token("limited"));
+        let ready = reqwest::get(format!("{}/readyz", up.base())).await.unwrap();
+        assert_eq!(ready.status(), 200);
+        let before = scrape(up.base()).await;
         let first = api
             .call(
                 Method::POST,
@@ -262,6 +312,61 @@ fn the_configuration_file_sets_tier_limits() {
             )
             .await;
         assert_eq!(second.status.as_u16(), 429, "{}", second.text);
+
+        // The metrics moved: one more create timed, one more quota refusal,
+        // the sandbox counted by state and template.
+        let after = scrape(up.base()).await;
+        let create = [("operation", "create")];
+        assert_eq!(
+            value(&after, "shoal_operation_duration_seconds_count", &create),
+            value(&before, "shoal_operation_duration_seconds_count", &create) + 1.0
+        );
+        let quota = [("reason", "quota")];
+        assert_eq!(
+            value(&after, "shoal_refusals_total", &quota),
+            value(&before, "shoal_refusals_total", &quota) + 1.0
+        );
+        assert_eq!(
+            value(&after, "shoal_quota_hits_total", &[]),
+            value(&before, "shoal_quota_hits_total", &[]) + 1.0
+        );
+        assert_eq!(
+            value(&after, "shoal_sandboxes", &[("state", "running"), ("template", "base")]),
+            1.0
+        );
+        let templates = value(&after, "shoal_templates_total", &[]);
+        assert!(templates >= 2.0);
+        assert_eq!(value(&after, "shoal_templates_ready", &[]), templates);
+        assert!(value(&after, "shoal_host_memory_total_bytes", &[]) > 0.0);
+        let created = [
+            ("method", "POST"),
+            ("route", "/v1/sandboxes"),
+            ("status", "201"),
+        ];
+        assert_eq!(
+            value(&after, "shoal_http_requests_total", &created),
+            value(&before, "shoal_http_requests_total", &created) + 1.0
+        );
+        // Every answer names its request, and so does its JSON log line.
+        let answered = reqwest::Client::new()
+            .get(format!("{}/v1/me", up.base()))
+            .header("x-request-id", "test-request-7")
+            .bearer_auth(&api.token)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answered.headers()["x-request-id"], "test-request-7");
+        let fresh = reqwest::get(format!("{}/version", up.base())).await.unwrap();
+        assert_eq!(fresh.headers()["x-request-id"].len(), 36, "a UUID");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let log = std::fs::read_to_string(up.log()).unwrap();
+        let logged = log
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .find(|line| line["span"]["id"] == "test-request-7")
+            .unwrap_or_else(|| panic!("no JSON log line of the request in {log}"));
+        assert_eq!(logged["span"]["path"], "/v1/me", "{logged}");
+        assert_eq!(logged["fields"]["status"], 200, "{logged}");
         let me = api.ok(Method::GET, "/v1/me", None).await;
         assert_eq!(me["limits"]["max_concurrent_sandboxes"], 1, "{me}");
         // The operator lists every account's sandboxes and kills one: the
@@ -314,4 +419,30 @@ fn the_configuration_file_sets_tier_limits() {
         api.call(Method::DELETE, &format!("/v1/sandboxes/{third}"), None)
             .await;
     });
+}
+
+/// `/metrics` of the `shoal up` at `base` (a loopback peer, no token set),
+/// parsed as Prometheus' text format.
+async fn scrape(base: &str) -> prometheus_parse::Scrape {
+    let answer = reqwest::get(format!("{base}/metrics")).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let text = answer.text().await.unwrap();
+    let lines = text.lines().map(|l| Ok(l.to_owned()));
+    prometheus_parse::Scrape::parse(lines).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// The value of `name` with exactly `labels` (0 when there is none).
+fn value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .find(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            _ => f64::NAN,
+        })
+        .unwrap_or(0.0)
 }

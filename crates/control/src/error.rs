@@ -56,6 +56,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        crate::metrics::metrics().refused(self.status, &self.message);
         let body = serde_json::json!({ "error": self.message });
         let mut response = (self.status, axum::Json(body)).into_response();
         if let Some(seconds) = self.retry_after {

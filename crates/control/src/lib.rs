@@ -25,7 +25,9 @@ mod imports;
 mod job_data;
 mod lifecycle;
 mod meta;
+pub mod metrics;
 mod proxy;
+pub mod readiness;
 pub mod registry;
 mod repl;
 mod runner;
@@ -72,6 +74,8 @@ pub struct ControlConfig {
     /// The registries template imports may pull from (`shoal up
     /// --registry`); none by default.
     pub registries: Vec<registry::Registry>,
+    /// The bearer token `/metrics` asks for; `None`: loopback peers only.
+    pub metrics_token: Option<String>,
 }
 
 impl Default for ControlConfig {
@@ -95,6 +99,7 @@ impl Default for ControlConfig {
             sweeps: RunnerConfig::default(),
             apps: AppsConfig::default(),
             registries: Vec::new(),
+            metrics_token: None,
         }
     }
 }
@@ -223,12 +228,17 @@ impl ControlPlane {
     }
 }
 
+/// The route of one sandbox, under which its operations are.
+pub const SANDBOX_ROUTE: &str = "/v1/sandboxes/{id}";
+
 pub fn router(state: Arc<ControlPlane>) -> Router {
-    let sandbox = "/v1/sandboxes/{id}";
+    let sandbox = SANDBOX_ROUTE;
     let sweep = "/v1/sweeps/{id}";
     let app = "/v1/apps/{id}";
     Router::new()
         .route("/healthz", get(meta::healthz))
+        .route("/readyz", get(readiness::ready))
+        .route("/metrics", get(metrics::serve))
         .route("/version", get(meta::version))
         .route("/v1/openapi.json", get(meta::openapi))
         .route("/v1/me", get(meta::me))
@@ -344,6 +354,8 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
             "/v1/blobs/{digest}",
             get(blobs::download).put(blobs::upload),
         )
+        // Around matched routes only, where the route's pattern is known.
+        .route_layer(axum::middleware::from_fn(metrics::track))
         .fallback(|| async { ApiError::not_found("not found") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(

@@ -322,6 +322,7 @@ async fn claim_loop(cp: Arc<ControlPlane>) {
                 .await;
             match claimed {
                 Ok(claims) => {
+                    crate::metrics::metrics().claimed(claims.len() as u64);
                     for claim in claims {
                         runner.in_flight.fetch_add(1, Ordering::SeqCst);
                         let cp = cp.clone();

@@ -200,6 +200,43 @@ impl Cgroups {
         Ok(group)
     }
 
+    /// Takes over VM group `slot-<index>`, left by an engine that died
+    /// while its QEMU `pid` kept running in it: nothing is killed or
+    /// rewritten, the group must exist in every hierarchy and hold `pid`.
+    pub fn adopt(&self, index: u32, pid: u32) -> Result<VmCgroup> {
+        let name = format!("slot-{index}");
+        let dirs: Vec<PathBuf> = self.parents().iter().map(|p| p.join(&name)).collect();
+        let unadoptable = |why: String| crate::error::EngineError::Qemu {
+            message: format!("cannot adopt cgroup {name}: {why}"),
+        };
+        for dir in &dirs {
+            if !members(dir).contains(&pid) {
+                return Err(unadoptable(format!(
+                    "{} does not hold QEMU {pid}",
+                    dir.display()
+                )));
+            }
+        }
+        let procs = dirs
+            .iter()
+            .map(|dir| {
+                let path = dir.join("cgroup.procs");
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map(OwnedFd::from)
+                    .io_context(|| format!("opening {}", path.display()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(VmCgroup {
+            name,
+            memory_dir: dirs[0].clone(),
+            v2: self.version() == 2,
+            procs,
+            dirs,
+        })
+    }
+
     /// Removes VM groups under the parent that have no member left and are
     /// not `slot-N` of a slot someone holds (`in_use`): what a crashed
     /// engine left. Members are never killed here; `create` does that for

@@ -138,6 +138,19 @@ impl Jail {
         })
     }
 
+    /// The jail of QEMU `pid`, left running in network slot `index` by an
+    /// engine that died: its cgroup is taken over as it is.
+    pub fn adopt_vm(&self, index: u32, pid: u32) -> Result<VmJail> {
+        let cgroup = self.cgroups.adopt(index, pid)?;
+        let uid = self.uid_of(index);
+        Ok(VmJail {
+            uid,
+            gid: uid,
+            root: self.config.root.clone(),
+            cgroup,
+        })
+    }
+
     pub fn limits(&self, vcpus: u32, memory_mib: u32) -> Limits {
         self.config.limits(vcpus, memory_mib)
     }

@@ -93,6 +93,10 @@ pub struct EngineConfig {
     pub dns_upstream: Option<std::net::Ipv4Addr>,
     /// How each QEMU is contained: uid range, jail root, cgroup limits.
     pub jail: jail::JailConfig,
+    /// Whether running and paused VMs whose QEMU outlived a run that died
+    /// are adopted (the service, whose control plane owns their rows) or
+    /// reaped (a command that only borrows the state directory).
+    pub adopt_survivors: bool,
 }
 
 impl EngineConfig {
@@ -108,6 +112,7 @@ impl EngineConfig {
             net_pool_size: 4,
             dns_upstream: None,
             jail: jail::JailConfig::default(),
+            adopt_survivors: false,
         }
     }
 
@@ -229,7 +234,9 @@ pub struct Engine {
 impl Engine {
     /// Opens the state directory, takes its lock, and reaps whatever a
     /// previous run left behind (QEMU processes, sockets, overlays, unused
-    /// fork captures). Hibernated VMs and user snapshots are kept.
+    /// fork captures). Hibernated VMs and user snapshots are kept, and
+    /// running or paused VMs whose QEMU outlived a run that died are
+    /// adopted: their process, network slot, cgroup and sockets.
     pub async fn open(config: EngineConfig) -> Result<Engine> {
         for dir in [
             config.cache_dir.join("templates"),
@@ -248,7 +255,27 @@ impl Engine {
         let qemu_version = qemu::version_id(&config.qemu)?;
         // QEMU processes a crashed run left are killed first (below), which
         // frees their namespaces; the pool reaps veths no engine holds.
-        let hibernated = reap::reap_leftovers(&config.state_dir, &config.proc_root)?;
+        let leftovers = reap::reap_leftovers(
+            &config.state_dir,
+            &config.proc_root,
+            config.adopt_survivors,
+        )?;
+        // Survivors' slots are claimed before the pool opens, which reaps
+        // every `shoalh<N>` whose slot nobody holds.
+        let mut survivors = Vec::new();
+        for record in leftovers.survivors {
+            let (Some(index), Some(pid)) = (record.net_slot, record.pid) else {
+                continue;
+            };
+            match net::adopt_slot(index, pid) {
+                Ok(slot) => survivors.push((record, slot)),
+                Err(e) => {
+                    tracing::warn!(id = record.id, error = %error::chain(&e), "a VM that outlived the last run cannot be adopted");
+                    let dir = config.state_dir.join("vms").join(&record.id);
+                    reap::reap_vm(&config.proc_root, &dir, record.pid);
+                }
+            }
+        }
         // Made only now, under the state dir's lock and with its owner
         // named at once: a directory without an owner is never reaped.
         match config.shared_fork_memory_dir() {
@@ -280,7 +307,7 @@ impl Engine {
             verified: integrity::Verified::default(),
             _lock: lock,
         };
-        for record in hibernated {
+        for record in leftovers.hibernated {
             let now = vm::VmNow::new(VmState::Hibernated, &record.source);
             let vm = Arc::new(Vm {
                 id: record.id.clone(),
@@ -299,9 +326,71 @@ impl Engine {
             });
             engine.vms.lock().unwrap().insert(record.id, vm);
         }
+        for (record, slot) in survivors {
+            engine.adopt(record, slot).await;
+        }
         engine.collect_captures().await;
         engine.collect_old_bakes();
         Ok(engine)
+    }
+
+    /// Takes over a VM whose QEMU outlived the engine that started it (see
+    /// [`vm::adopt`]); one that cannot be taken over is killed and its
+    /// directory removed, as a crash left it before adoption existed.
+    async fn adopt(&self, record: vm::VmRecord, slot: net::NetSlot) {
+        let dir = self.vm_dir(&record.id);
+        let started = std::time::Instant::now();
+        let adopted = match record.pid {
+            Some(pid) => match self.jail.adopt_vm(slot.index, pid) {
+                Ok(jail) => vm::adopt(&record, &dir, slot, jail).await,
+                Err(e) => Err(e),
+            },
+            None => return,
+        };
+        let (live, state) = match adopted {
+            Ok(adopted) => adopted,
+            Err(e) => {
+                tracing::warn!(id = record.id, error = %error::chain(&e), "a VM that outlived the last run cannot be adopted");
+                reap::reap_vm(&self.config.proc_root, &dir, record.pid);
+                return;
+            }
+        };
+        let vm = Arc::new(Vm {
+            id: record.id.clone(),
+            dir: dir.clone(),
+            inner: tokio::sync::Mutex::new(VmInner {
+                state,
+                source: record.source.clone(),
+                live: None,
+            }),
+            now: vm::VmNow::new(state, &record.source),
+            failure: Mutex::new(None),
+            created_unix_ms: record.created_unix_ms,
+            restore_ms: Mutex::new(0.0),
+            allow_internet: record.allow_internet,
+            volumes: record.volumes,
+        });
+        if let Err(e) = self.watch_for_failure(&vm, &live) {
+            tracing::warn!(id = record.id, error = %error::chain(&e), "watching an adopted VM");
+            live.terminate().await;
+            reap::reap_vm(&self.config.proc_root, &dir, record.pid);
+            return;
+        }
+        let mut inner = vm.inner.lock().await;
+        inner.live = Some(live);
+        vm.set_state(&mut inner, state);
+        if let Err(e) = vm.store_record(&inner) {
+            tracing::warn!(id = record.id, error = %error::chain(&e), "recording an adopted VM");
+        }
+        self.record_cache_use(&vm.dir, &inner.source);
+        drop(inner);
+        tracing::info!(
+            id = record.id,
+            state = state.as_str(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "adopted a VM that outlived the last run"
+        );
+        self.vms.lock().unwrap().insert(record.id, vm);
     }
 
     /// The memory limit (MiB) of a VM with `memory_mib` of guest RAM: what
@@ -560,9 +649,19 @@ impl Engine {
             live.terminate().await;
             return Err(e);
         }
+        if let Err(e) = self.watch_for_failure(vm, &live) {
+            live.terminate().await;
+            return Err(e);
+        }
+        Ok(live)
+    }
+
+    /// Reports `vm` failed (see [`Engine::failures`]) if `live`'s QEMU
+    /// ends without the engine stopping it.
+    fn watch_for_failure(&self, vm: &Arc<Vm>, live: &vm::Live) -> Result<()> {
         let failures = self.failures.clone();
         let dead = Arc::downgrade(vm);
-        let watched = vm::watch_exit(
+        vm::watch_exit(
             live.pid,
             live.stopping.clone(),
             live.jail.cgroup.oom_counter(),
@@ -576,12 +675,7 @@ impl Engine {
                     reason,
                 });
             },
-        );
-        if let Err(e) = watched {
-            live.terminate().await;
-            return Err(e);
-        }
-        Ok(live)
+        )
     }
 
     /// Sandboxes whose QEMU dies from now on, as it happens (the control

@@ -269,6 +269,57 @@ async fn refill_loop(pool: Arc<NetPool>) {
     }
 }
 
+/// Takes over slot `index` of QEMU `pid`, which an engine that died left
+/// running: the slot's lock (free since that engine died) is claimed, and
+/// the namespace is reached through the process, which still holds it.
+/// Called before [`NetPool::open`], which would otherwise reap the slot's
+/// `shoalh<N>` as a leftover.
+pub fn adopt_slot(index: u32, pid: u32) -> Result<NetSlot> {
+    let unadoptable = |why: String| EngineError::Qemu {
+        message: format!("cannot adopt network slot {index} of QEMU {pid}: {why}"),
+    };
+    if index >= SLOT_COUNT {
+        return Err(unadoptable("no such slot".into()));
+    }
+    std::fs::create_dir_all(lock_dir())
+        .io_context(|| format!("creating {}", lock_dir().display()))?;
+    let lock = open_lock(&slot_lock_path(index))?;
+    if !try_flock(&lock, libc::LOCK_EX) {
+        return Err(unadoptable("another engine holds it".into()));
+    }
+    let ns = File::open(format!("/proc/{pid}/ns/net"))
+        .io_context(|| format!("opening the network namespace of QEMU {pid}"))?;
+    let own = std::fs::metadata("/proc/self/ns/net")
+        .io_context(|| "reading this process's network namespace".into())?;
+    let theirs = ns
+        .metadata()
+        .io_context(|| format!("reading the network namespace of QEMU {pid}"))?;
+    use std::os::unix::fs::MetadataExt;
+    if (own.dev(), own.ino()) == (theirs.dev(), theirs.ino()) {
+        return Err(unadoptable("it runs in the host's namespace".into()));
+    }
+    if !Path::new("/sys/class/net").join(host_veth(index)).exists() {
+        return Err(unadoptable(format!("{} is gone", host_veth(index))));
+    }
+    let ns = OwnedFd::from(ns);
+    let control = in_namespace(ns.as_raw_fd(), || {
+        // SAFETY: socket(2) takes no pointers; the result is checked.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd is fresh and owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    })
+    .io_context(|| format!("opening a socket in slot {index}"))?;
+    Ok(NetSlot {
+        index,
+        ns,
+        control,
+        _lock: lock,
+    })
+}
+
 /// Claims a free slot number and builds its namespace, whose guest's DNS
 /// goes to `dns`.
 pub fn prepare_slot(dns: Ipv4Addr) -> Result<NetSlot> {

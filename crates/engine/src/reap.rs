@@ -1,9 +1,11 @@
 //! Start-up reclaim: finds what a previous run left behind and removes it.
 //!
 //! A VM directory whose `vm.json` names a live QEMU (checked by its command
-//! line naming that directory, never by process name) gets that process
-//! group killed; then the directory goes. Hibernated VMs are kept and handed
-//! back to the engine. Half-written captures (`*.tmp`) and fork or hibernate
+//! line naming that directory, never by process name) and its network slot
+//! is handed back to the engine to adopt (it kills and reaps the VM if
+//! that fails); any other QEMU found there gets its process group killed,
+//! then the directory goes. Hibernated VMs are kept and handed back to the
+//! engine. Half-written captures (`*.tmp`) and fork or hibernate
 //! captures that nothing needs any more are deleted; user snapshots stay.
 //!
 //! Fork memory lives outside the state directory (a RAM-backed directory
@@ -72,10 +74,27 @@ pub(crate) fn release_fork_memory_dir(dir: &Path) {
     }
 }
 
-/// Reaps leftovers under `state_dir`; returns the hibernated VMs to adopt.
-pub(crate) fn reap_leftovers(state_dir: &Path, proc_root: &Path) -> Result<Vec<VmRecord>> {
+/// What a previous run left that a new engine takes over.
+#[derive(Default)]
+pub(crate) struct Leftovers {
+    /// Hibernated VMs, whose state is on disk.
+    pub hibernated: Vec<VmRecord>,
+    /// Running or paused VMs whose QEMU outlived the engine that started
+    /// it (a crash, a SIGKILL): adopted, or reaped with [`reap_vm`] if that
+    /// fails.
+    pub survivors: Vec<VmRecord>,
+}
+
+/// Reaps leftovers under `state_dir` but the VMs a new engine may take
+/// over: hibernated ones, and running or paused ones whose recorded QEMU
+/// still runs in its directory and whose record names its network slot.
+pub(crate) fn reap_leftovers(
+    state_dir: &Path,
+    proc_root: &Path,
+    adopt_survivors: bool,
+) -> Result<Leftovers> {
     let vms_dir = state_dir.join("vms");
-    let mut kept = Vec::new();
+    let mut kept = Leftovers::default();
     for entry in
         std::fs::read_dir(&vms_dir).io_context(|| format!("listing {}", vms_dir.display()))?
     {
@@ -86,15 +105,22 @@ pub(crate) fn reap_leftovers(state_dir: &Path, proc_root: &Path) -> Result<Vec<V
             .and_then(|bytes| serde_json::from_slice(&bytes).ok());
         if let Some(record) = &record {
             if record.state == VmState::Hibernated && record.source.memory_file.exists() {
-                kept.push(record.clone());
+                kept.hibernated.push(record.clone());
+                continue;
+            }
+            let still_runs = record.pid.is_some_and(|pid| {
+                qemu_pids_of(proc_root, &dir, Some(pid)).first() == Some(&pid)
+            });
+            if adopt_survivors
+                && still_runs
+                && record.net_slot.is_some()
+                && record.state != VmState::Hibernated
+            {
+                kept.survivors.push(record.clone());
                 continue;
             }
         }
-        for pid in qemu_pids_of(proc_root, &dir, record.as_ref().and_then(|r| r.pid)) {
-            kill_and_wait(proc_root, pid);
-        }
-        tracing::info!(dir = %dir.display(), "reaping leftover VM");
-        let _ = std::fs::remove_dir_all(&dir);
+        reap_vm(proc_root, &dir, record.as_ref().and_then(|r| r.pid));
     }
     let captures = state_dir.join("captures");
     if let Ok(entries) = std::fs::read_dir(&captures) {
@@ -105,6 +131,16 @@ pub(crate) fn reap_leftovers(state_dir: &Path, proc_root: &Path) -> Result<Vec<V
         }
     }
     Ok(kept)
+}
+
+/// Kills whatever QEMU runs in VM directory `dir` (`recorded` first) and
+/// removes the directory.
+pub(crate) fn reap_vm(proc_root: &Path, dir: &Path, recorded: Option<u32>) {
+    for pid in qemu_pids_of(proc_root, dir, recorded) {
+        kill_and_wait(proc_root, pid);
+    }
+    tracing::info!(dir = %dir.display(), "reaping leftover VM");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Kills the QEMU of every bake that died half-way in `template_dir` (a

@@ -62,14 +62,75 @@ pub struct VmRecord {
     /// The volumes behind its slots, in slot order (a wake puts them back).
     #[serde(default)]
     pub volumes: Vec<VolumeAttachment>,
+    /// The network slot its QEMU runs in, while it has one: what a restart
+    /// after a crash needs to adopt the process (a record without it, from
+    /// an older engine, is reaped instead).
+    #[serde(default)]
+    pub net_slot: Option<u32>,
 }
 
 fn yes() -> bool {
     true
 }
 
+/// A VM's QEMU process, as this engine holds it.
+pub(crate) enum QemuProcess {
+    /// Spawned by this engine, which reaps it.
+    Child(tokio::process::Child),
+    /// Left running by an engine that died and adopted by this one: not
+    /// our child (its parent is now init), so it is held by a pidfd, which
+    /// names this process and never a reused pid.
+    Adopted(tokio::io::unix::AsyncFd<OwnedFd>),
+}
+
+/// How long a kill waits for an adopted QEMU, which it cannot reap, to end.
+const ADOPTED_EXIT_PATIENCE: Duration = Duration::from_secs(10);
+
+impl QemuProcess {
+    /// Kills the process (a spawned one by its process group) and waits
+    /// until it has ended.
+    async fn kill_and_wait(&mut self, pid: u32) {
+        match self {
+            QemuProcess::Child(child) => {
+                kill_process_group(pid);
+                let _ = child.wait().await;
+            }
+            QemuProcess::Adopted(pidfd) => {
+                // QEMU may spawn nothing (its seccomp filter), so the
+                // process is the whole group.
+                send_signal(pidfd.get_ref(), libc::SIGKILL);
+                let _ = tokio::time::timeout(ADOPTED_EXIT_PATIENCE, pidfd.readable()).await;
+            }
+        }
+    }
+}
+
+pub(crate) fn pidfd_open(pid: u32) -> Result<OwnedFd> {
+    // SAFETY: pidfd_open(2) takes no pointers; the result is checked.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error())
+            .io_context(|| format!("pidfd_open of QEMU {pid}"));
+    }
+    // SAFETY: a descriptor the kernel just gave us, owned from here on.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw as RawFd) })
+}
+
+fn send_signal(pidfd: &OwnedFd, signal: libc::c_int) {
+    // SAFETY: pidfd_send_signal(2) on a pidfd we hold, no siginfo.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        );
+    }
+}
+
 pub(crate) struct Live {
-    pub child: tokio::process::Child,
+    pub process: QemuProcess,
     pub pid: u32,
     pub qmp: Qmp,
     pub agent: AgentClient,
@@ -87,8 +148,7 @@ impl Live {
     /// Kills QEMU's process group and reaps it; the cgroup goes with `self`.
     pub(crate) async fn terminate(mut self) {
         self.stopping.store(true, Ordering::SeqCst);
-        kill_process_group(self.pid);
-        let _ = self.child.wait().await;
+        self.process.kill_and_wait(self.pid).await;
     }
 }
 
@@ -109,15 +169,10 @@ pub(crate) fn watch_exit(
     console: PathBuf,
     died: impl FnOnce(String) + Send + 'static,
 ) -> Result<()> {
-    // SAFETY: pidfd_open(2) of our own child, which is not reaped before
-    // `stopping` is set, so the pid cannot be reused under us.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
-    if raw < 0 {
-        return Err(std::io::Error::last_os_error())
-            .io_context(|| format!("pidfd_open of QEMU {pid}"));
-    }
-    // SAFETY: a descriptor the kernel just gave us, owned from here on.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
+    // Our own child is not reaped before `stopping` is set, and an adopted
+    // QEMU is checked to be in its VM's cgroup after this is opened, so the
+    // pid names the VM's QEMU.
+    let pidfd = pidfd_open(pid)?;
     // SAFETY: the OwnedFd stays open, and the same descriptor, for as long
     // as the AsyncFd that owns it.
     let pidfd = unsafe {
@@ -139,17 +194,8 @@ pub(crate) fn watch_exit(
                     if thrash.observe(reading) && !stopping.load(Ordering::SeqCst) {
                         tracing::warn!(pid, ?reading, "QEMU thrashes at its memory limit: killed");
                         oom.count_thrash_kill();
-                        // SAFETY: pidfd_send_signal(2) on the pidfd held
-                        // above: it names this QEMU, never a reused pid.
-                        unsafe {
-                            libc::syscall(
-                                libc::SYS_pidfd_send_signal,
-                                pidfd.get_ref().as_raw_fd(),
-                                libc::SIGKILL,
-                                std::ptr::null::<libc::siginfo_t>(),
-                                0,
-                            );
-                        }
+                        // The pidfd names this QEMU, never a reused pid.
+                        send_signal(pidfd.get_ref(), libc::SIGKILL);
                     }
                 }
             }
@@ -244,6 +290,7 @@ impl Vm {
             created_unix_ms: self.created_unix_ms,
             allow_internet: self.allow_internet,
             volumes: self.volumes.clone(),
+            net_slot: inner.live.as_ref().map(|l| l.net.index),
         }
     }
 
@@ -310,7 +357,7 @@ pub(crate) async fn restore(
     );
     match connect_restored(dir, id, pid, &mut child).await {
         Ok((qmp, agent)) => Ok(Live {
-            child,
+            process: QemuProcess::Child(child),
             pid,
             qmp,
             agent,
@@ -327,6 +374,100 @@ pub(crate) async fn restore(
             Err(with_qemu_log(e, dir))
         }
     }
+}
+
+/// How long an adopted QEMU's QMP monitor and guest agent may take to
+/// answer a new connection.
+const ADOPT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Takes over the QEMU of `record`, which an engine that died left running
+/// in `net` and `jail`: holds it by a pidfd, connects to its QMP monitor
+/// and its guest agent anew (QEMU listens again once the dead engine's
+/// connections closed) and returns it with the state QEMU reports. The
+/// agent answers a new host as it does after a restore: what the dead
+/// engine's calls still had in flight is discarded by the handshake.
+pub(crate) async fn adopt(
+    record: &VmRecord,
+    dir: &Path,
+    net: NetSlot,
+    jail: VmJail,
+) -> Result<(Live, VmState)> {
+    let pid = record.pid.ok_or_else(|| EngineError::Qemu {
+        message: format!("sandbox {} has no recorded process", record.id),
+    })?;
+    let pidfd = pidfd_open(pid)?;
+    // After the pidfd is open, so the pid cannot be a reused one: the
+    // process is the VM's QEMU if its cgroup still holds it.
+    if !jail.cgroup.members().contains(&pid) {
+        return Err(EngineError::Qemu {
+            message: format!("QEMU {pid} of sandbox {} left its cgroup", record.id),
+        });
+    }
+    // SAFETY: the OwnedFd stays open, and the same descriptor, for as long
+    // as the AsyncFd that owns it.
+    let pidfd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    }
+    .map_err(|e| std::io::Error::other(e.to_string()))
+        .io_context(|| "registering a pidfd".into())?;
+    let mut process = QemuProcess::Adopted(pidfd);
+    match connect_adopted(dir, &record.id).await {
+        Ok((qmp, agent, state)) => Ok((
+            Live {
+                process,
+                pid,
+                qmp,
+                agent,
+                net,
+                jail,
+                stopping: Arc::new(AtomicBool::new(false)),
+            },
+            state,
+        )),
+        Err(e) => {
+            process.kill_and_wait(pid).await;
+            Err(e)
+        }
+    }
+}
+
+async fn connect_adopted(dir: &Path, id: &str) -> Result<(Qmp, AgentClient, VmState)> {
+    let qmp = Qmp::connect_with_deadline(&qemu::qmp_socket(dir), ADOPT_DEADLINE).await?;
+    let status = tokio::time::timeout(ADOPT_DEADLINE, qmp.query_status())
+        .await
+        .map_err(|_| EngineError::Timeout(format!("asking QEMU of {id} its state")))??;
+    // Any other state (a crash mid-hibernation or mid-fork left it
+    // migrated out, say) is not one a sandbox can go on from.
+    let paused = match (status.running, status.status.as_str()) {
+        (true, _) => false,
+        (false, "paused") => true,
+        (false, other) => {
+            return Err(EngineError::Qemu {
+                message: format!("QEMU of {id} is {other}, not running or paused"),
+            })
+        }
+    };
+    let stream = connect_unix(&qemu::agent_socket(dir), ADOPT_DEADLINE).await?;
+    // A paused guest cannot answer: it runs for the handshake only.
+    if paused {
+        qmp.cont().await?;
+    }
+    let agent = tokio::time::timeout(
+        ADOPT_DEADLINE,
+        AgentClient::connect_with_deadline(stream, ADOPT_DEADLINE),
+    )
+    .await
+    .map_err(|_| EngineError::Timeout(format!("waiting for the guest agent of {id}")));
+    if paused {
+        qmp.stop().await?;
+    }
+    let agent = agent??;
+    let state = if paused {
+        VmState::Paused
+    } else {
+        VmState::Running
+    };
+    Ok((qmp, agent, state))
 }
 
 async fn connect_restored(

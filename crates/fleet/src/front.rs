@@ -159,9 +159,10 @@ fn database_error(e: shoal_store::StoreError) -> Response {
     refuse(StatusCode::INTERNAL_SERVER_ERROR, "database error", None)
 }
 
-/// Whether a host takes work: heard from recently and not draining.
+/// Whether a host takes work: heard from recently, not draining and not
+/// drained by the operator.
 fn is_live(host: &HostRow, now: f64) -> bool {
-    host.is_fresh(now, STALE_AFTER.as_secs_f64()) && !host.report.draining
+    host.is_fresh(now, STALE_AFTER.as_secs_f64()) && !host.report.draining && !host.drained
 }
 
 /// A host as placement sees it.
@@ -547,6 +548,8 @@ impl Front {
 pub fn router(front: Arc<Front>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        // A front is ready once it serves: it bakes nothing.
+        .route("/readyz", get(|| async { Json(json!({"ready": true})) }))
         .route("/v1/fleet/join", post(join))
         .route("/v1/fleet/heartbeat", post(heartbeat))
         .route("/v1/fleet/config", get(config))
@@ -1519,6 +1522,18 @@ mod tests {
         assert!(volume_names(br#"{"volumes": "data"}"#).is_empty());
     }
 
+    #[test]
+    fn a_drained_or_draining_host_takes_no_work() {
+        let fresh = host("a", 100.0);
+        assert!(is_live(&fresh, 101.0));
+        let mut drained = fresh.clone();
+        drained.drained = true;
+        assert!(!is_live(&drained, 101.0));
+        let mut draining = fresh.clone();
+        draining.report.draining = true;
+        assert!(!is_live(&draining, 101.0));
+    }
+
     fn host(id: &str, heartbeat_at: f64) -> HostRow {
         HostRow {
             report: HostReport {
@@ -1534,6 +1549,7 @@ mod tests {
                 pss_mib: 0,
                 draining: false,
             },
+            drained: false,
             registered_at: heartbeat_at,
             heartbeat_at,
             in_flight_sandboxes: 0,

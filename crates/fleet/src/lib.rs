@@ -120,7 +120,7 @@ fn host_key(fleet_token: &str, purpose: &str, host_id: &str) -> String {
 }
 
 /// Wraps an agent's API so that it answers only fronts: every route but
-/// `/healthz` needs [`FRONT_KEY_HEADER`] with this host's key (401
+/// `/healthz` and `/readyz` needs [`FRONT_KEY_HEADER`] with this host's key (401
 /// otherwise). Tenants reach sandboxes only through a front.
 pub fn only_fronts(router: axum::Router, key: String) -> axum::Router {
     let key = std::sync::Arc::new(key);
@@ -133,7 +133,9 @@ pub fn only_fronts(router: axum::Router, key: String) -> axum::Router {
                     .get(FRONT_KEY_HEADER)
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("");
-                if request.uri().path() == "/healthz" || same_secret(given, &key) {
+                if matches!(request.uri().path(), "/healthz" | "/readyz")
+                    || same_secret(given, &key)
+                {
                     next.run(request).await
                 } else {
                     refuse(

@@ -29,15 +29,16 @@ const REPORT: &str = "INSERT INTO hosts (id, url, vcpus, cpu_busy, memory_mib, a
 const FORGET_PLACEMENTS: &str = "DELETE FROM placements WHERE host_id = $1 \
      AND ((done_at IS NOT NULL AND done_at <= $2) OR (done_at IS NULL AND created_at < $3))";
 const HOSTS: &str = "SELECT h.id, h.url, h.vcpus, h.cpu_busy, h.memory_mib, h.available_mib, \
-     h.reserve_mib, h.sandboxes, h.max_sandboxes, h.pss_mib, h.draining, h.registered_at, \
-     h.heartbeat_at, COUNT(p.id) AS in_flight_sandboxes, \
+     h.reserve_mib, h.sandboxes, h.max_sandboxes, h.pss_mib, h.draining, h.drained, \
+     h.registered_at, h.heartbeat_at, COUNT(p.id) AS in_flight_sandboxes, \
      CAST(COALESCE(SUM(p.memory_mib), 0) AS BIGINT) AS in_flight_memory_mib, \
      COALESCE(SUM(p.cpu_share), 0.0) AS in_flight_cpu_share \
      FROM hosts h LEFT JOIN placements p ON p.host_id = h.id \
      AND (p.done_at IS NULL OR p.done_at > h.heartbeat_at) AND p.created_at >= $1 \
      GROUP BY h.id, h.url, h.vcpus, h.cpu_busy, h.memory_mib, h.available_mib, h.reserve_mib, \
-     h.sandboxes, h.max_sandboxes, h.pss_mib, h.draining, h.registered_at, h.heartbeat_at \
-     ORDER BY h.id";
+     h.sandboxes, h.max_sandboxes, h.pss_mib, h.draining, h.drained, h.registered_at, \
+     h.heartbeat_at ORDER BY h.id";
+const SET_DRAINED: &str = "UPDATE hosts SET drained = $2 WHERE id = $1";
 const PLACE: &str = "INSERT INTO placements (id, host_id, memory_mib, cpu_share, created_at) \
      VALUES ($1, $2, $3, $4, $5)";
 /// Serialises placement decisions across every front of a fleet (an
@@ -153,6 +154,15 @@ impl Store {
         Ok(())
     }
 
+    /// Drains host `id` (it takes no new sandboxes) or resumes it; false
+    /// when there is no such host.
+    pub async fn set_host_drained(&self, id: &str, drained: bool) -> Result<bool> {
+        on_writer!(self, pool => {
+            let done = sqlx::query(SET_DRAINED).bind(id).bind(drained).execute(pool).await?;
+            Ok(done.rows_affected() > 0)
+        })
+    }
+
     /// Marks `lost` every live sandbox of a host whose last heartbeat is
     /// older than `stale_before`; returns their ids.
     pub async fn lose_sandboxes_of_stale_hosts(&self, stale_before: f64) -> Result<Vec<String>> {
@@ -186,6 +196,7 @@ fn host<R: Column>(r: &R) -> Result<HostRow> {
             pss_mib: unsigned(r.int("pss_mib")?, "pss_mib")?,
             draining: r.boolean("draining")?,
         },
+        drained: r.boolean("drained")?,
         registered_at: r.real("registered_at")?,
         heartbeat_at: r.real("heartbeat_at")?,
         in_flight_sandboxes: unsigned(r.int("in_flight_sandboxes")?, "in_flight_sandboxes")?,

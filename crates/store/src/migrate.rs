@@ -119,6 +119,11 @@ const SQLITE: &[Embedded] = &[
         "event grants",
         include_str!("../migrations/sqlite/0019_event_grants.sql"),
     ),
+    (
+        20,
+        "host drain",
+        include_str!("../migrations/sqlite/0020_host_drain.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -216,6 +221,11 @@ const POSTGRES: &[Embedded] = &[
         19,
         "event grants",
         include_str!("../migrations/postgres/0019_event_grants.sql"),
+    ),
+    (
+        20,
+        "host drain",
+        include_str!("../migrations/postgres/0020_host_drain.sql"),
     ),
 ];
 

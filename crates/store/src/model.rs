@@ -937,6 +937,9 @@ pub struct HostReport {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HostRow {
     pub report: HostReport,
+    /// Drained by the operator (`shoal host drain`): no new sandboxes.
+    #[serde(default)]
+    pub drained: bool,
     pub registered_at: f64,
     pub heartbeat_at: f64,
     /// Creates placed on the host that its last report does not show.

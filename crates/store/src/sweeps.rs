@@ -610,6 +610,22 @@ impl Store {
         Ok(counts)
     }
 
+    /// How many cells of every sweep of every account are in each state
+    /// (the operator's metrics).
+    pub async fn cell_counts_by_state(&self) -> Result<Vec<(String, u64)>> {
+        let rows: Vec<(String, i64)> = on_reader!(self, pool => {
+            sqlx::query("SELECT state, COUNT(*) AS n FROM sweep_cells GROUP BY state")
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|r| Ok((r.text("state")?, r.int("n")?)))
+                .collect::<Result<_>>()?
+        });
+        rows.into_iter()
+            .map(|(state, n)| Ok((state, unsigned::<u64>(n, "count")?)))
+            .collect()
+    }
+
     /// The sweep's cells that pass `filter`, in index order; none if
     /// `account_id` does not own it.
     pub async fn list_cells(

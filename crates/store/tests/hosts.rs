@@ -15,6 +15,7 @@ const T0: f64 = 1_800_000_000.0;
 
 cases!(
     reports_register_then_update,
+    an_operator_drain_outlives_heartbeats,
     placements_count_until_a_later_report,
     dropped_and_abandoned_placements_stop_counting,
     only_stale_hosts_lose_their_sandboxes,
@@ -79,6 +80,21 @@ async fn reports_register_then_update(db: Arc<Db>) {
         report("a"),
         "another host's row is untouched"
     );
+}
+
+async fn an_operator_drain_outlives_heartbeats(db: Arc<Db>) {
+    let store = &db.store;
+    assert!(!store.set_host_drained("nobody", true).await.unwrap());
+    store.report_host(&report("a"), T0).await.unwrap();
+    assert!(!store.hosts(T0).await.unwrap()[0].drained);
+    assert!(store.set_host_drained("a", true).await.unwrap());
+    // The host's own heartbeat (which says it is not draining) does not
+    // undo the operator's drain.
+    store.report_host(&report("a"), T0 + 5.0).await.unwrap();
+    let host = &store.hosts(T0 + 5.0).await.unwrap()[0];
+    assert!(host.drained && !host.report.draining);
+    assert!(store.set_host_drained("a", false).await.unwrap());
+    assert!(!store.hosts(T0 + 5.0).await.unwrap()[0].drained);
 }
 
 /// A sandbox `id` admitted on `host`.

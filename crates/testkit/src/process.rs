@@ -2,7 +2,7 @@
 //! group of its own and is stopped by that group's id (never by name), and
 //! [`ShoalUp`] is a real `shoal up` built on it, started from an
 //! [`UpConfig`] (state directory, database, extra flags and environment),
-//! ready once it answers `/healthz`, with its URL, API tokens, signals and
+//! ready once it answers `/readyz`, with its URL, API tokens, signals and
 //! restarts on the same state. Its stderr goes to `up.log` in the state
 //! directory, whose tail is printed when the test fails.
 
@@ -144,14 +144,14 @@ impl UpConfig {
         self
     }
 
-    /// How long it may take to answer `/healthz` (default five minutes; a
+    /// How long it may take to answer `/readyz` (default five minutes; a
     /// first start that bakes templates wants more).
     pub fn ready_within(mut self, limit: Duration) -> UpConfig {
         self.ready_within = limit;
         self
     }
 
-    /// Starts `shoal up` and waits until it answers `/healthz`; fails the
+    /// Starts `shoal up` and waits until it answers `/readyz`; fails the
     /// test, with the log's tail, if it exits first or does not answer in
     /// time.
     pub async fn start(self) -> ShoalUp {
@@ -251,7 +251,7 @@ impl ShoalUp {
 
     async fn wait_ready(&mut self) {
         let http = reqwest::Client::new();
-        let url = format!("{}/healthz", self.base);
+        let url = format!("{}/readyz", self.base);
         let deadline = Instant::now() + self.config.ready_within;
         loop {
             let answer = http.get(&url).timeout(Duration::from_secs(10)).send().await;
@@ -260,12 +260,12 @@ impl ShoalUp {
             }
             assert!(
                 self.process.running(),
-                "shoal up exited before answering /healthz; {}",
+                "shoal up exited before answering /readyz; {}",
                 self.log_tail()
             );
             assert!(
                 Instant::now() < deadline,
-                "shoal up did not answer /healthz within {:?}; {}",
+                "shoal up did not answer /readyz within {:?}; {}",
                 self.config.ready_within,
                 self.log_tail()
             );
