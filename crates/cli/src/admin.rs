@@ -313,3 +313,93 @@ pub async fn host_drain(args: HostDrainArgs, drained: bool) -> Result<()> {
     .await;
     finish(store, result).await
 }
+
+#[derive(clap::Args)]
+pub struct SnapshotListArgs {
+    /// Only this account's.
+    #[arg(long)]
+    account: Option<String>,
+    #[command(flatten)]
+    db: Db,
+}
+
+#[derive(clap::Args)]
+pub struct SnapshotRmArgs {
+    /// The snapshots to remove.
+    #[arg(required = true)]
+    ids: Vec<String>,
+    #[command(flatten)]
+    db: Db,
+}
+
+pub async fn snapshot_list(args: SnapshotListArgs) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let store = &store;
+        let only = match &args.account {
+            Some(name) => Some(account_id(store, name).await?),
+            None => None,
+        };
+        let mut names = std::collections::HashMap::new();
+        println!(
+            "{:<22} {:<12} {:<18} {:<18} {:>9} {:<10} {:<20} STATE",
+            "ID", "ACCOUNT", "SANDBOX", "TEMPLATE", "MIB", "HOST", "CREATED"
+        );
+        for (row, removal) in store.list_all_snapshots().await? {
+            if only.is_some_and(|id| id != row.account_id) {
+                continue;
+            }
+            if !names.contains_key(&row.account_id) {
+                let name = store
+                    .account_by_id(row.account_id)
+                    .await?
+                    .map_or_else(|| row.account_id.to_string(), |a| a.name);
+                names.insert(row.account_id, name);
+            }
+            println!(
+                "{:<22} {:<12} {:<18} {:<18} {:>9} {:<10} {:<20} {}",
+                row.id,
+                names[&row.account_id],
+                row.sandbox_id.as_deref().unwrap_or("-"),
+                row.template,
+                row.size_bytes.map_or_else(|| "-".into(), |b| (b >> 20).to_string()),
+                row.host.as_deref().unwrap_or("-"),
+                time(row.created_at),
+                if removal.is_some() { "removing" } else { "kept" }
+            );
+        }
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}
+
+/// Asks for the removal of snapshots (any account's): their accounts no
+/// longer see them at once; each one's host removes its files, then its
+/// record, at its next lifecycle tick.
+pub async fn snapshot_rm(args: SnapshotRmArgs) -> Result<()> {
+    let store = args.db.open().await?;
+    let result = async {
+        let store = &store;
+        let mut refused = Vec::new();
+        for id in &args.ids {
+            let naming = store.templates_of_snapshot(id).await?;
+            if !naming.is_empty() {
+                refused.push(format!(
+                    "{id}: templates are made from it ({}); remove them first",
+                    naming.join(", ")
+                ));
+                continue;
+            }
+            if store.request_snapshot_removal(id, now()).await? {
+                println!("{id}: removed from its account; its host deletes the files at its next tick");
+            } else {
+                refused.push(format!("{id}: no such snapshot, or its removal was asked already"));
+            }
+        }
+        anyhow::ensure!(refused.is_empty(), "{}", refused.join("\n"));
+        Ok(())
+    }
+    .await;
+    finish(store, result).await
+}

@@ -197,6 +197,11 @@ enum Command {
         #[command(subcommand)]
         command: SandboxCommand,
     },
+    /// Every account's snapshots (an operator's command).
+    Snapshot {
+        #[command(subcommand)]
+        command: SnapshotCommand,
+    },
     /// Submit a Slurm batch script as a job on the fleet (docs/SLURM.md).
     Sbatch(slurm::SbatchArgs),
     /// Pending and running jobs, as Slurm's squeue.
@@ -328,6 +333,14 @@ enum SandboxCommand {
     List(admin::SandboxListArgs),
     /// Delete sandboxes of any account; each host stops their VMs.
     Kill(admin::SandboxKillArgs),
+}
+
+#[derive(Subcommand)]
+enum SnapshotCommand {
+    /// Every snapshot (or one account's): size, host, whether it is being removed.
+    List(admin::SnapshotListArgs),
+    /// Remove snapshots of any account; each host deletes their files.
+    Rm(admin::SnapshotRmArgs),
 }
 
 #[derive(Subcommand)]
@@ -675,6 +688,13 @@ async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             match command {
                 SandboxCommand::List(args) => admin::sandbox_list(args).await?,
                 SandboxCommand::Kill(args) => admin::sandbox_kill(args).await?,
+            }
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Snapshot { command } => {
+            match command {
+                SnapshotCommand::List(args) => admin::snapshot_list(args).await?,
+                SnapshotCommand::Rm(args) => admin::snapshot_rm(args).await?,
             }
             Ok(std::process::ExitCode::SUCCESS)
         }

@@ -1,7 +1,8 @@
 //! The operator's database commands through the real binary on a throwaway
 //! SQLite database: tokens made, listed (never the secret) and revoked by
 //! prefix; an account's tier changed; refusals for unknown accounts,
-//! prefixes and tiers. (`shoal sandbox kill` on a live VM is held by
+//! prefixes and tiers; a fleet host listed, drained and resumed. (`shoal
+//! sandbox kill` and `shoal snapshot rm` on a live host are held by
 //! `vm_restarts`.)
 
 use std::process::Command;
@@ -108,4 +109,57 @@ fn completions_and_manual_pages() {
     );
     assert!(dir.path().join("shoal-token-revoke.1").exists());
     assert!(!dir.path().join("shoal-help.1").exists());
+}
+
+#[test]
+fn hosts_are_listed_drained_and_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("shoal.db").display());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    runtime.block_on(async {
+        let store = shoal_store::Store::connect(&db).await.unwrap();
+        for (id, heard) in [("edge-1", now), ("edge-2", now - 3600.0)] {
+            let report = shoal_store::HostReport {
+                id: id.into(),
+                url: format!("https://{id}:8081"),
+                vcpus: 8,
+                cpu_busy: 0.0,
+                memory_mib: 32_000,
+                available_mib: 30_000,
+                reserve_mib: 1_024,
+                sandboxes: 2,
+                max_sandboxes: None,
+                pss_mib: 0,
+                draining: false,
+            };
+            store.report_host(&report, heard).await.unwrap();
+        }
+        store.close().await;
+    });
+    let state_of = |listed: &str, host: &str| {
+        listed
+            .lines()
+            .find(|l| l.starts_with(host))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .map(str::to_owned)
+    };
+    let (ok, listed, err) = shoal(&db, &["host", "list"]);
+    assert!(ok, "{err}");
+    assert_eq!(state_of(&listed, "edge-1").as_deref(), Some("up"), "{listed}");
+    assert_eq!(state_of(&listed, "edge-2").as_deref(), Some("silent"), "{listed}");
+    let (ok, _, err) = shoal(&db, &["host", "drain", "edge-1"]);
+    assert!(ok, "{err}");
+    let (_, listed, _) = shoal(&db, &["host", "list"]);
+    assert_eq!(state_of(&listed, "edge-1").as_deref(), Some("drained"), "{listed}");
+    let (ok, _, err) = shoal(&db, &["host", "resume", "edge-1"]);
+    assert!(ok, "{err}");
+    let (_, listed, _) = shoal(&db, &["host", "list"]);
+    assert_eq!(state_of(&listed, "edge-1").as_deref(), Some("up"), "{listed}");
+    let (ok, _, err) = shoal(&db, &["host", "drain", "nowhere"]);
+    assert!(!ok);
+    assert!(err.contains("no host nowhere"), "{err}");
 }

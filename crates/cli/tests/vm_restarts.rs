@@ -390,6 +390,39 @@ fn the_configuration_file_sets_tier_limits() {
             "{listed}"
         );
         assert!(!qemu_of(&state, &id).is_empty(), "no QEMU for {id}");
+        // The operator removes an account's snapshot: its account no
+        // longer sees it at once, its files go at the host's next tick.
+        let snapshot = api
+            .ok(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/snapshots"),
+                None,
+            )
+            .await["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let capture = state.join("captures").join(&snapshot);
+        assert!(capture.is_dir(), "{}", capture.display());
+        let listed = operator(&["snapshot", "list", "--account", "limited"]);
+        assert!(
+            listed
+                .lines()
+                .any(|l| l.starts_with(&snapshot) && l.contains(&id) && l.ends_with("kept")),
+            "{listed}"
+        );
+        operator(&["snapshot", "rm", &snapshot]);
+        let hidden = api
+            .call(Method::GET, &format!("/v1/snapshots/{snapshot}"), None)
+            .await;
+        assert_eq!(hidden.status.as_u16(), 404, "{}", hidden.text);
+        assert!(
+            shoal_testkit::wait_until(Duration::from_secs(30), || async { !capture.exists() })
+                .await,
+            "the removed snapshot's files are still there"
+        );
+        assert!(!operator(&["snapshot", "list"]).contains(&snapshot));
+
         operator(&["sandbox", "kill", &id]);
         let gone = api
             .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)

@@ -529,6 +529,7 @@ pub fn spawn(cp: Arc<ControlPlane>) {
             tick.tick().await;
             reaper.kill_strays().await;
             reaper.reap().await;
+            reaper.remove_requested_snapshots().await;
         }
     });
     let meter = cp.clone();

@@ -116,3 +116,43 @@ pub(crate) fn capture_bytes(
     }
     i64::try_from(total).ok()
 }
+
+impl ControlPlane {
+    /// Removes this host's snapshots whose removal an operator asked for
+    /// (`shoal snapshot rm`): files first, then the record, as a delete
+    /// through the API does. One that a template is made from stays (the
+    /// operator's command refuses those; a template made since is kept).
+    pub(crate) async fn remove_requested_snapshots(&self) {
+        let rows = match self.store.snapshots_to_remove(&self.config.host_name).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(error = e.chain(), "listing snapshots to remove");
+                return;
+            }
+        };
+        for row in rows {
+            match self.store.templates_of_snapshot(&row.id).await {
+                Ok(naming) if naming.is_empty() => {}
+                Ok(naming) => {
+                    tracing::warn!(id = row.id, templates = ?naming, "not removing a snapshot templates are made from");
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(id = row.id, error = e.chain(), "reading a snapshot's templates");
+                    continue;
+                }
+            }
+            match self.host.delete_snapshot(&row.id).await {
+                Ok(()) | Err(HostError::Engine(EngineError::NoSuchSnapshot(_))) => {}
+                Err(e) => {
+                    tracing::warn!(id = row.id, error = %e, "removing a snapshot's files");
+                    continue;
+                }
+            }
+            match self.store.delete_snapshot(row.account_id, &row.id).await {
+                Ok(_) => tracing::info!(id = row.id, "removed a snapshot at the operator's request"),
+                Err(e) => tracing::warn!(id = row.id, error = e.chain(), "removing a snapshot's record"),
+            }
+        }
+    }
+}

@@ -124,6 +124,11 @@ const SQLITE: &[Embedded] = &[
         "host drain",
         include_str!("../migrations/sqlite/0020_host_drain.sql"),
     ),
+    (
+        21,
+        "snapshot removal",
+        include_str!("../migrations/sqlite/0021_snapshot_removal.sql"),
+    ),
 ];
 
 const POSTGRES: &[Embedded] = &[
@@ -226,6 +231,11 @@ const POSTGRES: &[Embedded] = &[
         20,
         "host drain",
         include_str!("../migrations/postgres/0020_host_drain.sql"),
+    ),
+    (
+        21,
+        "snapshot removal",
+        include_str!("../migrations/postgres/0021_snapshot_removal.sql"),
     ),
 ];
 

@@ -17,12 +17,26 @@ const INSERT: &str =
 const GET: &str = concat!(
     "SELECT ",
     snapshot_columns!(),
-    " FROM snapshots WHERE id = $1 AND account_id = $2"
+    " FROM snapshots WHERE id = $1 AND account_id = $2 AND removal_requested_at IS NULL"
 );
 const LIST: &str = concat!(
     "SELECT ",
     snapshot_columns!(),
-    " FROM snapshots WHERE account_id = $1 ORDER BY created_at DESC, id"
+    " FROM snapshots WHERE account_id = $1 AND removal_requested_at IS NULL \
+     ORDER BY created_at DESC, id"
+);
+const LIST_ALL: &str = concat!(
+    "SELECT ",
+    snapshot_columns!(),
+    ", removal_requested_at FROM snapshots ORDER BY created_at DESC, id"
+);
+const REQUEST_REMOVAL: &str = "UPDATE snapshots SET removal_requested_at = $2 \
+     WHERE id = $1 AND removal_requested_at IS NULL";
+const TO_REMOVE: &str = concat!(
+    "SELECT ",
+    snapshot_columns!(),
+    " FROM snapshots WHERE removal_requested_at IS NOT NULL AND (host = $1 OR host IS NULL) \
+     ORDER BY id"
 );
 const DELETE: &str = "DELETE FROM snapshots WHERE id = $1 AND account_id = $2";
 const COUNTS: &str =
@@ -165,6 +179,38 @@ impl Store {
     pub async fn list_snapshots(&self, account_id: i64) -> Result<Vec<SnapshotRow>> {
         on_reader!(self, pool => {
             sqlx::query(LIST).bind(account_id).fetch_all(pool).await?.iter().map(row::snapshot).collect()
+        })
+    }
+
+    /// Every account's snapshots, newest first, each with when an
+    /// operator asked for its removal (if one did).
+    pub async fn list_all_snapshots(&self) -> Result<Vec<(SnapshotRow, Option<f64>)>> {
+        on_reader!(self, pool => {
+            sqlx::query(LIST_ALL)
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|r| Ok((row::snapshot(r)?, r.opt_real("removal_requested_at")?)))
+                .collect()
+        })
+    }
+
+    /// An operator's removal of snapshot `id` (any account's): its account
+    /// no longer sees it, and its host removes its files and then the
+    /// record ([`Store::snapshots_to_remove`]). False when there is no
+    /// such snapshot or its removal was asked already.
+    pub async fn request_snapshot_removal(&self, id: &str, now: f64) -> Result<bool> {
+        let affected = on_writer!(self, pool => {
+            sqlx::query(REQUEST_REMOVAL).bind(id).bind(now).execute(pool).await?.rows_affected()
+        });
+        Ok(affected > 0)
+    }
+
+    /// The snapshots on `host` (or on no host named: a single host's)
+    /// whose removal an operator asked for.
+    pub async fn snapshots_to_remove(&self, host: &str) -> Result<Vec<SnapshotRow>> {
+        on_reader!(self, pool => {
+            sqlx::query(TO_REMOVE).bind(host).fetch_all(pool).await?.iter().map(row::snapshot).collect()
         })
     }
 
