@@ -96,6 +96,23 @@ async fn account_id(store: &Store, name: &str) -> Result<i64> {
         .id)
 }
 
+/// Accounts' names by id, each read once.
+#[derive(Default)]
+struct AccountNames(std::collections::HashMap<i64, String>);
+
+impl AccountNames {
+    async fn of(&mut self, store: &Store, id: i64) -> Result<&str> {
+        if !self.0.contains_key(&id) {
+            let name = store
+                .account_by_id(id)
+                .await?
+                .map_or_else(|| id.to_string(), |a| a.name);
+            self.0.insert(id, name);
+        }
+        Ok(&self.0[&id])
+    }
+}
+
 fn time(seconds: f64) -> String {
     chrono::DateTime::from_timestamp(seconds as i64, 0).map_or_else(
         || "-".into(),
@@ -175,7 +192,7 @@ pub async fn sandbox_list(args: SandboxListArgs) -> Result<()> {
             Some(name) => Some(account_id(store, name).await?),
             None => None,
         };
-        let mut names = std::collections::HashMap::new();
+        let mut names = AccountNames::default();
         println!(
             "{:<18} {:<12} {:<11} {:<10} {:<18} CREATED",
             "ID", "ACCOUNT", "STATUS", "HOST", "TEMPLATE"
@@ -184,17 +201,10 @@ pub async fn sandbox_list(args: SandboxListArgs) -> Result<()> {
             if only.is_some_and(|id| id != row.account_id) {
                 continue;
             }
-            if !names.contains_key(&row.account_id) {
-                let name = store
-                    .account_by_id(row.account_id)
-                    .await?
-                    .map_or_else(|| row.account_id.to_string(), |a| a.name);
-                names.insert(row.account_id, name);
-            }
             println!(
                 "{:<18} {:<12} {:<11} {:<10} {:<18} {}",
                 row.id,
-                names[&row.account_id],
+                names.of(store, row.account_id).await?,
                 row.status,
                 row.host.as_deref().unwrap_or("-"),
                 row.template,
@@ -340,7 +350,7 @@ pub async fn snapshot_list(args: SnapshotListArgs) -> Result<()> {
             Some(name) => Some(account_id(store, name).await?),
             None => None,
         };
-        let mut names = std::collections::HashMap::new();
+        let mut names = AccountNames::default();
         println!(
             "{:<22} {:<12} {:<18} {:<18} {:>9} {:<10} {:<20} STATE",
             "ID", "ACCOUNT", "SANDBOX", "TEMPLATE", "MIB", "HOST", "CREATED"
@@ -349,17 +359,10 @@ pub async fn snapshot_list(args: SnapshotListArgs) -> Result<()> {
             if only.is_some_and(|id| id != row.account_id) {
                 continue;
             }
-            if !names.contains_key(&row.account_id) {
-                let name = store
-                    .account_by_id(row.account_id)
-                    .await?
-                    .map_or_else(|| row.account_id.to_string(), |a| a.name);
-                names.insert(row.account_id, name);
-            }
             println!(
                 "{:<22} {:<12} {:<18} {:<18} {:>9} {:<10} {:<20} {}",
                 row.id,
-                names[&row.account_id],
+                names.of(store, row.account_id).await?,
                 row.sandbox_id.as_deref().unwrap_or("-"),
                 row.template,
                 row.size_bytes.map_or_else(|| "-".into(), |b| (b >> 20).to_string()),

@@ -179,18 +179,7 @@ impl Cgroups {
         };
         let mut group = group;
         let opened = written.and_then(|()| {
-            group.procs = group
-                .dirs
-                .iter()
-                .map(|dir| {
-                    let path = dir.join("cgroup.procs");
-                    std::fs::OpenOptions::new()
-                        .write(true)
-                        .open(&path)
-                        .map(OwnedFd::from)
-                        .io_context(|| format!("opening {}", path.display()))
-                })
-                .collect::<Result<Vec<_>>>()?;
+            group.procs = open_procs(&group.dirs)?;
             Ok(())
         });
         if let Err(e) = opened {
@@ -217,17 +206,7 @@ impl Cgroups {
                 )));
             }
         }
-        let procs = dirs
-            .iter()
-            .map(|dir| {
-                let path = dir.join("cgroup.procs");
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .map(OwnedFd::from)
-                    .io_context(|| format!("opening {}", path.display()))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let procs = open_procs(&dirs)?;
         Ok(VmCgroup {
             name,
             memory_dir: dirs[0].clone(),
@@ -514,6 +493,21 @@ fn counter(text: &str, key: &str) -> Option<u64> {
         let (name, value) = line.split_once(' ')?;
         (name == key).then(|| value.trim().parse().ok())?
     })
+}
+
+/// Each group directory's `cgroup.procs`, opened for writing (a new
+/// QEMU's child joins its groups by writing "0" into them).
+fn open_procs(dirs: &[PathBuf]) -> Result<Vec<OwnedFd>> {
+    dirs.iter()
+        .map(|dir| {
+            let path = dir.join("cgroup.procs");
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map(OwnedFd::from)
+                .io_context(|| format!("opening {}", path.display()))
+        })
+        .collect()
 }
 
 fn members(dir: &Path) -> Vec<u32> {

@@ -129,26 +129,23 @@ impl Jail {
     pub fn for_vm(&self, index: u32, vcpus: u32, memory_mib: u32) -> Result<VmJail> {
         let limits = self.limits(vcpus, memory_mib);
         let cgroup = self.cgroups.create(index, &limits)?;
+        Ok(self.jail_in(index, cgroup))
+    }
+
+    fn jail_in(&self, index: u32, cgroup: VmCgroup) -> VmJail {
         let uid = self.uid_of(index);
-        Ok(VmJail {
+        VmJail {
             uid,
             gid: uid,
             root: self.config.root.clone(),
             cgroup,
-        })
+        }
     }
 
     /// The jail of QEMU `pid`, left running in network slot `index` by an
     /// engine that died: its cgroup is taken over as it is.
     pub fn adopt_vm(&self, index: u32, pid: u32) -> Result<VmJail> {
-        let cgroup = self.cgroups.adopt(index, pid)?;
-        let uid = self.uid_of(index);
-        Ok(VmJail {
-            uid,
-            gid: uid,
-            root: self.config.root.clone(),
-            cgroup,
-        })
+        Ok(self.jail_in(index, self.cgroups.adopt(index, pid)?))
     }
 
     pub fn limits(&self, vcpus: u32, memory_mib: u32) -> Limits {
