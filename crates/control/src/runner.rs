@@ -281,10 +281,33 @@ impl Runner {
     }
 }
 
-/// Starts the runner and its housekeeping. First gives back the claims a
-/// previous life of this control plane held: their sandboxes did not
-/// survive it.
+/// Starts the runner and its housekeeping. First deletes the sandboxes of
+/// the attempts and fork parents a previous life of this control plane
+/// left (adopted VMs after a crash) and gives back the claims it held.
 pub async fn spawn(cp: Arc<ControlPlane>) -> Result<(), StoreError> {
+    // After a crash the VMs outlive the last life (the engine adopted
+    // them), but its attempts do not: their commands' streams ended with
+    // it. Their sandboxes go before their claims are given back, and so do
+    // the fork parents it made (this life makes its own).
+    let mut stale = cp
+        .store
+        .runner_claim_sandboxes(&cp.config.host_name)
+        .await?;
+    for row in cp.store.list_all_live().await? {
+        let parent = row.host.as_deref() == Some(cp.config.host_name.as_str())
+            && row.metadata.get("sweep_role").map(String::as_str) == Some("parent");
+        let of_a_sweep = match row.metadata.get("sweep") {
+            Some(sweep) if parent => cp.store.get_sweep(row.account_id, sweep).await?.is_some(),
+            _ => false,
+        };
+        if of_a_sweep {
+            stale.push(row.id);
+        }
+    }
+    for id in &stale {
+        tracing::info!(sandbox = id, "deleting a sweep's sandbox of the previous run");
+        destroy(&cp, id).await;
+    }
     let released = cp
         .store
         .release_runner_claims(&cp.config.host_name, now())

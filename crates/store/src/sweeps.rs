@@ -163,6 +163,8 @@ const CANCEL_HELD: &str = "UPDATE sweeps SET state = 'cancelled', \
 /// A runner's claims, for giving them back when it restarts.
 const RUNNER_CLAIMS: &str = "SELECT sweep_id, idx, claim_id FROM sweep_cells \
      WHERE state = 'running' AND claimed_by = $1 ORDER BY sweep_id, idx";
+const RUNNER_SANDBOXES: &str = "SELECT sandbox_id FROM sweep_cells \
+     WHERE state = 'running' AND claimed_by = $1 AND sandbox_id IS NOT NULL ORDER BY sandbox_id";
 
 const CANCEL_PENDING_CELL: &str = "UPDATE sweep_cells SET state = 'cancelled', finished_at = $3 \
      WHERE sweep_id = $1 AND idx = $2 AND state = 'pending'";
@@ -1207,6 +1209,20 @@ impl Store {
     /// Gives back, uncounted, every claim `runner` holds: for a runner
     /// starting again after a crash, whose sandboxes are gone (see
     /// [`Store::release_cell`]). Returns how many.
+    /// The sandboxes of the cells `runner` holds claims on (what its
+    /// attempts ran in).
+    pub async fn runner_claim_sandboxes(&self, runner: &str) -> Result<Vec<String>> {
+        on_reader!(self, pool => {
+            sqlx::query(RUNNER_SANDBOXES)
+                .bind(runner)
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|r| Ok(r.text("sandbox_id")?))
+                .collect()
+        })
+    }
+
     pub async fn release_runner_claims(&self, runner: &str, now: f64) -> Result<u64> {
         let claims: Vec<(String, i64, String)> = on_reader!(self, pool => {
             sqlx::query(RUNNER_CLAIMS)
