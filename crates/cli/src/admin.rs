@@ -365,10 +365,15 @@ pub async fn snapshot_list(args: SnapshotListArgs) -> Result<()> {
                 names.of(store, row.account_id).await?,
                 row.sandbox_id.as_deref().unwrap_or("-"),
                 row.template,
-                row.size_bytes.map_or_else(|| "-".into(), |b| (b >> 20).to_string()),
+                row.size_bytes
+                    .map_or_else(|| "-".into(), |b| (b >> 20).to_string()),
                 row.host.as_deref().unwrap_or("-"),
                 time(row.created_at),
-                if removal.is_some() { "removing" } else { "kept" }
+                if removal.is_some() {
+                    "removing"
+                } else {
+                    "kept"
+                }
             );
         }
         Ok(())
@@ -395,9 +400,13 @@ pub async fn snapshot_rm(args: SnapshotRmArgs) -> Result<()> {
                 continue;
             }
             if store.request_snapshot_removal(id, now()).await? {
-                println!("{id}: removed from its account; its host deletes the files at its next tick");
+                println!(
+                    "{id}: removed from its account; its host deletes the files at its next tick"
+                );
             } else {
-                refused.push(format!("{id}: no such snapshot, or its removal was asked already"));
+                refused.push(format!(
+                    "{id}: no such snapshot, or its removal was asked already"
+                ));
             }
         }
         anyhow::ensure!(refused.is_empty(), "{}", refused.join("\n"));

@@ -128,7 +128,9 @@ fn with_request_log(router: axum::Router) -> axum::Router {
         })
         .on_request(())
         .on_response(
-            |response: &axum::http::Response<_>, latency: std::time::Duration, _: &tracing::Span| {
+            |response: &axum::http::Response<_>,
+             latency: std::time::Duration,
+             _: &tracing::Span| {
                 tracing::info!(
                     status = response.status().as_u16(),
                     ms = latency.as_secs_f64() * 1e3,

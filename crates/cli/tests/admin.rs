@@ -149,16 +149,32 @@ fn hosts_are_listed_drained_and_resumed() {
     };
     let (ok, listed, err) = shoal(&db, &["host", "list"]);
     assert!(ok, "{err}");
-    assert_eq!(state_of(&listed, "edge-1").as_deref(), Some("up"), "{listed}");
-    assert_eq!(state_of(&listed, "edge-2").as_deref(), Some("silent"), "{listed}");
+    assert_eq!(
+        state_of(&listed, "edge-1").as_deref(),
+        Some("up"),
+        "{listed}"
+    );
+    assert_eq!(
+        state_of(&listed, "edge-2").as_deref(),
+        Some("silent"),
+        "{listed}"
+    );
     let (ok, _, err) = shoal(&db, &["host", "drain", "edge-1"]);
     assert!(ok, "{err}");
     let (_, listed, _) = shoal(&db, &["host", "list"]);
-    assert_eq!(state_of(&listed, "edge-1").as_deref(), Some("drained"), "{listed}");
+    assert_eq!(
+        state_of(&listed, "edge-1").as_deref(),
+        Some("drained"),
+        "{listed}"
+    );
     let (ok, _, err) = shoal(&db, &["host", "resume", "edge-1"]);
     assert!(ok, "{err}");
     let (_, listed, _) = shoal(&db, &["host", "list"]);
-    assert_eq!(state_of(&listed, "edge-1").as_deref(), Some("up"), "{listed}");
+    assert_eq!(
+        state_of(&listed, "edge-1").as_deref(),
+        Some("up"),
+        "{listed}"
+    );
     let (ok, _, err) = shoal(&db, &["host", "drain", "nowhere"]);
     assert!(!ok);
     assert!(err.contains("no host nowhere"), "{err}");

@@ -123,11 +123,18 @@ async fn restarts_keep_sandboxes(database_url: &str, state: PathBuf) {
     // adopts them (the same QEMU), and the counter never stopped.
     let before = count(&api, &id).await;
     up.signal(shoal_testkit::SIGKILL);
-    assert_eq!(qemu_of(&state, &id), qemu_pid, "the sandbox's QEMU died with the service");
+    assert_eq!(
+        qemu_of(&state, &id),
+        qemu_pid,
+        "the sandbox's QEMU died with the service"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let starting = Instant::now();
     up.restart().await;
-    println!("start after SIGKILL: {:.1} s", starting.elapsed().as_secs_f64());
+    println!(
+        "start after SIGKILL: {:.1} s",
+        starting.elapsed().as_secs_f64()
+    );
     let api = ApiClient {
         base: up.base().to_owned(),
         ..api
@@ -154,7 +161,10 @@ async fn restarts_keep_sandboxes(database_url: &str, state: PathBuf) {
         .await;
     api.ok(Method::POST, &format!("/v1/sandboxes/{id}/resume"), None)
         .await;
-    assert_eq!(run(&api, &id, "echo adopted > /tmp/a; cat /tmp/a").await, "adopted");
+    assert_eq!(
+        run(&api, &id, "echo adopted > /tmp/a; cat /tmp/a").await,
+        "adopted"
+    );
 
     // A planned stop: hibernated, then woken by the next start.
     let before = count(&api, &id).await;
@@ -331,7 +341,11 @@ fn the_configuration_file_sets_tier_limits() {
             value(&before, "shoal_quota_hits_total", &[]) + 1.0
         );
         assert_eq!(
-            value(&after, "shoal_sandboxes", &[("state", "running"), ("template", "base")]),
+            value(
+                &after,
+                "shoal_sandboxes",
+                &[("state", "running"), ("template", "base")]
+            ),
             1.0
         );
         let templates = value(&after, "shoal_templates_total", &[]);
@@ -356,7 +370,9 @@ fn the_configuration_file_sets_tier_limits() {
             .await
             .unwrap();
         assert_eq!(answered.headers()["x-request-id"], "test-request-7");
-        let fresh = reqwest::get(format!("{}/version", up.base())).await.unwrap();
+        let fresh = reqwest::get(format!("{}/version", up.base()))
+            .await
+            .unwrap();
         assert_eq!(fresh.headers()["x-request-id"].len(), 36, "a UUID");
         tokio::time::sleep(Duration::from_millis(300)).await;
         let log = std::fs::read_to_string(up.log()).unwrap();
@@ -393,11 +409,7 @@ fn the_configuration_file_sets_tier_limits() {
         // The operator removes an account's snapshot: its account no
         // longer sees it at once, its files go at the host's next tick.
         let snapshot = api
-            .ok(
-                Method::POST,
-                &format!("/v1/sandboxes/{id}/snapshots"),
-                None,
-            )
+            .ok(Method::POST, &format!("/v1/sandboxes/{id}/snapshots"), None)
             .await["id"]
             .as_str()
             .unwrap()

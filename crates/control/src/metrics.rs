@@ -300,7 +300,11 @@ pub async fn track(request: Request, next: Next) -> Response {
 
 /// Whether the caller may read the metrics: the operator's metrics token,
 /// or a loopback peer when none is set.
-pub(crate) fn may_scrape(token: Option<&str>, headers: &HeaderMap, peer: Option<SocketAddr>) -> bool {
+pub(crate) fn may_scrape(
+    token: Option<&str>,
+    headers: &HeaderMap,
+    peer: Option<SocketAddr>,
+) -> bool {
     match token {
         Some(token) => headers
             .get(header::AUTHORIZATION)
@@ -339,7 +343,10 @@ pub async fn serve(State(cp): State<Arc<ControlPlane>>, request: Request) -> Res
     }
     let text = metrics().render(&cp).await;
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         text,
     )
         .into_response()
@@ -362,7 +369,10 @@ mod tests {
             operation(&Method::POST, &format!("{sandbox}/exec")),
             Some("exec")
         );
-        assert_eq!(operation(&Method::POST, &format!("{sandbox}/exec/ws")), None);
+        assert_eq!(
+            operation(&Method::POST, &format!("{sandbox}/exec/ws")),
+            None
+        );
     }
 
     #[test]
@@ -371,14 +381,26 @@ mod tests {
         let quota = m.refusals.with_label_values(&["quota"]).get();
         let hits = m.quota_hits.get();
         let full = m.refusals.with_label_values(&["no_capacity"]).get();
-        m.refused(StatusCode::TOO_MANY_REQUESTS, "quota exceeded: the concurrent sandboxes");
-        m.refused(StatusCode::SERVICE_UNAVAILABLE, "no compute capacity available");
+        m.refused(
+            StatusCode::TOO_MANY_REQUESTS,
+            "quota exceeded: the concurrent sandboxes",
+        );
+        m.refused(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no compute capacity available",
+        );
         m.refused(StatusCode::NOT_FOUND, "sandbox not found");
         assert_eq!(m.refusals.with_label_values(&["quota"]).get(), quota + 1);
         assert_eq!(m.quota_hits.get(), hits + 1);
-        assert_eq!(m.refusals.with_label_values(&["no_capacity"]).get(), full + 1);
+        assert_eq!(
+            m.refusals.with_label_values(&["no_capacity"]).get(),
+            full + 1
+        );
         let text = m.render_counters();
-        assert!(text.contains("shoal_refusals_total{reason=\"quota\"}"), "{text}");
+        assert!(
+            text.contains("shoal_refusals_total{reason=\"quota\"}"),
+            "{text}"
+        );
     }
 
     #[test]

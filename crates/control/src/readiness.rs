@@ -108,9 +108,9 @@ pub fn starting_router(readiness: Arc<Readiness>) -> Router {
         .route("/healthz", get(crate::meta::healthz))
         .route(
             "/readyz",
-            get(move || async move {
-                (StatusCode::SERVICE_UNAVAILABLE, Json(for_readyz.report()))
-            }),
+            get(
+                move || async move { (StatusCode::SERVICE_UNAVAILABLE, Json(for_readyz.report())) },
+            ),
         )
         .route("/metrics", get(starting_metrics))
         .fallback(move || async move {
@@ -134,7 +134,10 @@ async fn starting_metrics(request: Request) -> Response {
             .into_response();
     }
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         crate::metrics::metrics().render_counters(),
     )
         .into_response()

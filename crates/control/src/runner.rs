@@ -305,7 +305,10 @@ pub async fn spawn(cp: Arc<ControlPlane>) -> Result<(), StoreError> {
         }
     }
     for id in &stale {
-        tracing::info!(sandbox = id, "deleting a sweep's sandbox of the previous run");
+        tracing::info!(
+            sandbox = id,
+            "deleting a sweep's sandbox of the previous run"
+        );
         destroy(&cp, id).await;
     }
     let released = cp

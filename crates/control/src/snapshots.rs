@@ -138,7 +138,11 @@ impl ControlPlane {
                     continue;
                 }
                 Err(e) => {
-                    tracing::warn!(id = row.id, error = e.chain(), "reading a snapshot's templates");
+                    tracing::warn!(
+                        id = row.id,
+                        error = e.chain(),
+                        "reading a snapshot's templates"
+                    );
                     continue;
                 }
             }
@@ -150,8 +154,14 @@ impl ControlPlane {
                 }
             }
             match self.store.delete_snapshot(row.account_id, &row.id).await {
-                Ok(_) => tracing::info!(id = row.id, "removed a snapshot at the operator's request"),
-                Err(e) => tracing::warn!(id = row.id, error = e.chain(), "removing a snapshot's record"),
+                Ok(_) => {
+                    tracing::info!(id = row.id, "removed a snapshot at the operator's request")
+                }
+                Err(e) => tracing::warn!(
+                    id = row.id,
+                    error = e.chain(),
+                    "removing a snapshot's record"
+                ),
             }
         }
     }

@@ -255,11 +255,8 @@ impl Engine {
         let qemu_version = qemu::version_id(&config.qemu)?;
         // QEMU processes a crashed run left are killed first (below), which
         // frees their namespaces; the pool reaps veths no engine holds.
-        let leftovers = reap::reap_leftovers(
-            &config.state_dir,
-            &config.proc_root,
-            config.adopt_survivors,
-        )?;
+        let leftovers =
+            reap::reap_leftovers(&config.state_dir, &config.proc_root, config.adopt_survivors)?;
         // Survivors' slots are claimed before the pool opens, which reaps
         // every `shoalh<N>` whose slot nobody holds.
         let mut survivors = Vec::new();

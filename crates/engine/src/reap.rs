@@ -108,9 +108,9 @@ pub(crate) fn reap_leftovers(
                 kept.hibernated.push(record.clone());
                 continue;
             }
-            let still_runs = record.pid.is_some_and(|pid| {
-                qemu_pids_of(proc_root, &dir, Some(pid)).first() == Some(&pid)
-            });
+            let still_runs = record
+                .pid
+                .is_some_and(|pid| qemu_pids_of(proc_root, &dir, Some(pid)).first() == Some(&pid));
             if adopt_survivors
                 && still_runs
                 && record.net_slot.is_some()

@@ -409,7 +409,7 @@ pub(crate) async fn adopt(
         tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
     }
     .map_err(|e| std::io::Error::other(e.to_string()))
-        .io_context(|| "registering a pidfd".into())?;
+    .io_context(|| "registering a pidfd".into())?;
     let mut process = QemuProcess::Adopted(pidfd);
     match connect_adopted(dir, &record.id).await {
         Ok((qmp, agent, state)) => Ok((
