@@ -65,7 +65,7 @@ impl ControlPlane {
         }
     }
 
-    fn is_ours(&self, row: &SandboxRow) -> bool {
+    pub(crate) fn is_ours(&self, row: &SandboxRow) -> bool {
         row.host.as_deref() == Some(self.config.host_name.as_str())
     }
 

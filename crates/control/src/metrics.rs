@@ -64,47 +64,26 @@ impl Metrics {
     fn new() -> Metrics {
         let registry = Registry::new();
         let counter_vec = |name: &str, help: &str, labels: &[&str]| {
-            let metric = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(metric.clone()))
-                .expect("registered once");
-            metric
+            registered(&registry, IntCounterVec::new(Opts::new(name, help), labels))
         };
         let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
-            let metric = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry
-                .register(Box::new(metric.clone()))
-                .expect("registered once");
-            metric
+            registered(&registry, IntGaugeVec::new(Opts::new(name, help), labels))
         };
-        let counter = |name: &str, help: &str| {
-            let metric = IntCounter::new(name, help).expect("valid metric");
-            registry
-                .register(Box::new(metric.clone()))
-                .expect("registered once");
-            metric
-        };
-        let gauge = |name: &str, help: &str| {
-            let metric = IntGauge::new(name, help).expect("valid metric");
-            registry
-                .register(Box::new(metric.clone()))
-                .expect("registered once");
-            metric
-        };
-        let operation_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "shoal_operation_duration_seconds",
-                "Wall time of successful sandbox operations, from request to answer.",
-            )
-            .buckets(vec![
-                0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-            ]),
-            &["operation"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(operation_seconds.clone()))
-            .expect("registered once");
+        let counter = |name: &str, help: &str| registered(&registry, IntCounter::new(name, help));
+        let gauge = |name: &str, help: &str| registered(&registry, IntGauge::new(name, help));
+        let operation_seconds = registered(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "shoal_operation_duration_seconds",
+                    "Wall time of successful sandbox operations, from request to answer.",
+                )
+                .buckets(vec![
+                    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                ]),
+                &["operation"],
+            ),
+        );
         Metrics {
             requests: counter_vec(
                 "shoal_http_requests_total",
@@ -233,17 +212,10 @@ impl Metrics {
             }
             Err(e) => tracing::debug!(error = e.chain(), "metrics: counting sweep cells"),
         }
-        let engine = cp.host.engine();
-        let mut held = 0;
-        let mut limits_mib = 0u64;
-        for vm in engine.list().await {
-            if vm.state != shoal_host::VmState::Hibernated {
-                held += 1;
-                limits_mib += u64::from(engine.memory_limit_mib(vm.memory_mib));
-            }
-        }
-        self.host_sandboxes.set(held);
-        self.host_memory_limits_bytes.set((limits_mib << 20) as i64);
+        let held = cp.host.held().await;
+        self.host_sandboxes.set(held.sandboxes as i64);
+        self.host_memory_limits_bytes
+            .set((held.memory_mib << 20) as i64);
         let (max, _) = cp.host.capacity_limits();
         self.host_sandboxes_max.set(max.unwrap_or(0) as i64);
         let mib = |field| shoal_host::meminfo_mib(field).unwrap_or(0) << 20;
@@ -252,6 +224,18 @@ impl Metrics {
             .set(mib("MemAvailable:") as i64);
         self.render_counters()
     }
+}
+
+/// `metric`, registered with `registry` (which keeps a handle to it).
+fn registered<M: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: prometheus::Result<M>,
+) -> M {
+    let metric = metric.expect("valid metric");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("registered once");
+    metric
 }
 
 /// The operation a route is, for the latency histogram.

@@ -294,7 +294,7 @@ pub async fn spawn(cp: Arc<ControlPlane>) -> Result<(), StoreError> {
         .runner_claim_sandboxes(&cp.config.host_name)
         .await?;
     for row in cp.store.list_all_live().await? {
-        let parent = row.host.as_deref() == Some(cp.config.host_name.as_str())
+        let parent = cp.is_ours(&row)
             && row.metadata.get("sweep_role").map(String::as_str) == Some("parent");
         let of_a_sweep = match row.metadata.get("sweep") {
             Some(sweep) if parent => cp.store.get_sweep(row.account_id, sweep).await?.is_some(),

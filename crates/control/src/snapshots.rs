@@ -73,20 +73,7 @@ pub async fn delete(
             refusal.retry_after = Some(15);
             return Err(refusal);
         }
-        let naming = cp.store.templates_of_snapshot(&id).await?;
-        if !naming.is_empty() {
-            return Err(ApiError::conflict(format!(
-                "snapshot {id} is template {}'s: delete the template first",
-                naming.join(", ")
-            )));
-        }
-        match cp.host.delete_snapshot(&id).await {
-            // Files already gone (an earlier delete that lost its record's
-            // removal, a wiped state dir): the record goes all the same.
-            Ok(()) | Err(HostError::Engine(EngineError::NoSuchSnapshot(_))) => {}
-            Err(e) => return Err(e.into()),
-        }
-        cp.store.delete_snapshot(account.id, &id).await?;
+        cp.remove_snapshot(&row).await?;
         Ok(StatusCode::NO_CONTENT)
     })
     .await
@@ -119,9 +106,9 @@ pub(crate) fn capture_bytes(
 
 impl ControlPlane {
     /// Removes this host's snapshots whose removal an operator asked for
-    /// (`shoal snapshot rm`): files first, then the record, as a delete
-    /// through the API does. One that a template is made from stays (the
-    /// operator's command refuses those; a template made since is kept).
+    /// (`shoal snapshot rm`) as a delete through the API does. One that a
+    /// template is made from stays (the operator's command refuses those;
+    /// a template made since is kept).
     pub(crate) async fn remove_requested_snapshots(&self) {
         let rows = match self.store.snapshots_to_remove(&self.config.host_name).await {
             Ok(rows) => rows,
@@ -131,38 +118,33 @@ impl ControlPlane {
             }
         };
         for row in rows {
-            match self.store.templates_of_snapshot(&row.id).await {
-                Ok(naming) if naming.is_empty() => {}
-                Ok(naming) => {
-                    tracing::warn!(id = row.id, templates = ?naming, "not removing a snapshot templates are made from");
-                    continue;
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        id = row.id,
-                        error = e.chain(),
-                        "reading a snapshot's templates"
-                    );
-                    continue;
-                }
-            }
-            match self.host.delete_snapshot(&row.id).await {
-                Ok(()) | Err(HostError::Engine(EngineError::NoSuchSnapshot(_))) => {}
-                Err(e) => {
-                    tracing::warn!(id = row.id, error = %e, "removing a snapshot's files");
-                    continue;
-                }
-            }
-            match self.store.delete_snapshot(row.account_id, &row.id).await {
-                Ok(_) => {
+            match self.remove_snapshot(&row).await {
+                Ok(()) => {
                     tracing::info!(id = row.id, "removed a snapshot at the operator's request")
                 }
-                Err(e) => tracing::warn!(
-                    id = row.id,
-                    error = e.chain(),
-                    "removing a snapshot's record"
-                ),
+                Err(e) => tracing::warn!(id = row.id, error = e.message, "removing a snapshot"),
             }
         }
+    }
+
+    /// Removes snapshot `row` of this host: its files, then its record.
+    /// Refused (409) while a template is made from it.
+    async fn remove_snapshot(&self, row: &SnapshotRow) -> ApiResult<()> {
+        let id = &row.id;
+        let naming = self.store.templates_of_snapshot(id).await?;
+        if !naming.is_empty() {
+            return Err(ApiError::conflict(format!(
+                "snapshot {id} is template {}'s: delete the template first",
+                naming.join(", ")
+            )));
+        }
+        match self.host.delete_snapshot(id).await {
+            // Files already gone (an earlier delete that lost its record's
+            // removal, a wiped state dir): the record goes all the same.
+            Ok(()) | Err(HostError::Engine(EngineError::NoSuchSnapshot(_))) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.store.delete_snapshot(row.account_id, id).await?;
+        Ok(())
     }
 }

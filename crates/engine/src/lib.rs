@@ -260,16 +260,13 @@ impl Engine {
         // Survivors' slots are claimed before the pool opens, which reaps
         // every `shoalh<N>` whose slot nobody holds.
         let mut survivors = Vec::new();
-        for record in leftovers.survivors {
-            let (Some(index), Some(pid)) = (record.net_slot, record.pid) else {
-                continue;
-            };
-            match net::adopt_slot(index, pid) {
-                Ok(slot) => survivors.push((record, slot)),
+        for survivor in leftovers.survivors {
+            match net::adopt_slot(survivor.net_slot, survivor.pid) {
+                Ok(slot) => survivors.push((survivor, slot)),
                 Err(e) => {
-                    tracing::warn!(id = record.id, error = %error::chain(&e), "a VM that outlived the last run cannot be adopted");
-                    let dir = config.state_dir.join("vms").join(&record.id);
-                    reap::reap_vm(&config.proc_root, &dir, record.pid);
+                    tracing::warn!(id = survivor.record.id, error = %error::chain(&e), "a VM that outlived the last run cannot be adopted");
+                    let dir = config.state_dir.join("vms").join(&survivor.record.id);
+                    reap::reap_vm(&config.proc_root, &dir, Some(survivor.pid));
                 }
             }
         }
@@ -305,26 +302,16 @@ impl Engine {
             _lock: lock,
         };
         for record in leftovers.hibernated {
-            let now = vm::VmNow::new(VmState::Hibernated, &record.source);
-            let vm = Arc::new(Vm {
-                id: record.id.clone(),
-                dir: engine.vm_dir(&record.id),
-                inner: tokio::sync::Mutex::new(VmInner {
-                    state: VmState::Hibernated,
-                    source: record.source,
-                    live: None,
-                }),
-                now,
-                failure: Mutex::new(None),
-                created_unix_ms: record.created_unix_ms,
-                restore_ms: Mutex::new(0.0),
-                allow_internet: record.allow_internet,
-                volumes: record.volumes,
-            });
-            engine.vms.lock().unwrap().insert(record.id, vm);
+            let id = record.id.clone();
+            let vm = Arc::new(Vm::from_record(
+                record,
+                engine.vm_dir(&id),
+                VmState::Hibernated,
+            ));
+            engine.vms.lock().unwrap().insert(id, vm);
         }
-        for (record, slot) in survivors {
-            engine.adopt(record, slot).await;
+        for (survivor, slot) in survivors {
+            engine.adopt(survivor, slot).await;
         }
         engine.collect_captures().await;
         engine.collect_old_bakes();
@@ -334,60 +321,45 @@ impl Engine {
     /// Takes over a VM whose QEMU outlived the engine that started it (see
     /// [`vm::adopt`]); one that cannot be taken over is killed and its
     /// directory removed, as a crash left it before adoption existed.
-    async fn adopt(&self, record: vm::VmRecord, slot: net::NetSlot) {
+    async fn adopt(&self, survivor: reap::Survivor, slot: net::NetSlot) {
+        let reap::Survivor { record, pid, .. } = survivor;
         let dir = self.vm_dir(&record.id);
         let started = std::time::Instant::now();
-        let adopted = match record.pid {
-            Some(pid) => match self.jail.adopt_vm(slot.index, pid) {
-                Ok(jail) => vm::adopt(&record, &dir, slot, jail).await,
-                Err(e) => Err(e),
-            },
-            None => return,
+        let adopted = match self.jail.adopt_vm(slot.index, pid) {
+            Ok(jail) => vm::adopt(&record.id, pid, &dir, slot, jail).await,
+            Err(e) => Err(e),
         };
         let (live, state) = match adopted {
             Ok(adopted) => adopted,
             Err(e) => {
                 tracing::warn!(id = record.id, error = %error::chain(&e), "a VM that outlived the last run cannot be adopted");
-                reap::reap_vm(&self.config.proc_root, &dir, record.pid);
+                reap::reap_vm(&self.config.proc_root, &dir, Some(pid));
                 return;
             }
         };
-        let vm = Arc::new(Vm {
-            id: record.id.clone(),
-            dir: dir.clone(),
-            inner: tokio::sync::Mutex::new(VmInner {
-                state,
-                source: record.source.clone(),
-                live: None,
-            }),
-            now: vm::VmNow::new(state, &record.source),
-            failure: Mutex::new(None),
-            created_unix_ms: record.created_unix_ms,
-            restore_ms: Mutex::new(0.0),
-            allow_internet: record.allow_internet,
-            volumes: record.volumes,
-        });
+        let id = record.id.clone();
+        let vm = Arc::new(Vm::from_record(record, dir.clone(), state));
         if let Err(e) = self.watch_for_failure(&vm, &live) {
-            tracing::warn!(id = record.id, error = %error::chain(&e), "watching an adopted VM");
+            tracing::warn!(id, error = %error::chain(&e), "watching an adopted VM");
             live.terminate().await;
-            reap::reap_vm(&self.config.proc_root, &dir, record.pid);
+            reap::reap_vm(&self.config.proc_root, &dir, Some(pid));
             return;
         }
         let mut inner = vm.inner.lock().await;
         inner.live = Some(live);
         vm.set_state(&mut inner, state);
         if let Err(e) = vm.store_record(&inner) {
-            tracing::warn!(id = record.id, error = %error::chain(&e), "recording an adopted VM");
+            tracing::warn!(id, error = %error::chain(&e), "recording an adopted VM");
         }
         self.record_cache_use(&vm.dir, &inner.source);
         drop(inner);
         tracing::info!(
-            id = record.id,
+            id,
             state = state.as_str(),
             ms = started.elapsed().as_secs_f64() * 1e3,
             "adopted a VM that outlived the last run"
         );
-        self.vms.lock().unwrap().insert(record.id, vm);
+        self.vms.lock().unwrap().insert(id, vm);
     }
 
     /// The memory limit (MiB) of a VM with `memory_mib` of guest RAM: what
@@ -1095,7 +1067,6 @@ impl Engine {
         vm.inner.lock().await
     }
 
-    /// Kills every sandbox (used at shutdown and by tests).
     /// Kills every VM with a QEMU process and keeps the hibernated ones,
     /// whose state is on disk for the next engine on this state directory
     /// to wake: what a stop of the service does after hibernating what it
@@ -1116,6 +1087,7 @@ impl Engine {
         }
     }
 
+    /// Kills every sandbox, hibernated ones too.
     pub async fn kill_all(&self) {
         let ids: Vec<String> = self.vms.lock().unwrap().keys().cloned().collect();
         for id in ids {

@@ -302,16 +302,8 @@ pub fn adopt_slot(index: u32, pid: u32) -> Result<NetSlot> {
         return Err(unadoptable(format!("{} is gone", host_veth(index))));
     }
     let ns = OwnedFd::from(ns);
-    let control = in_namespace(ns.as_raw_fd(), || {
-        // SAFETY: socket(2) takes no pointers; the result is checked.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: fd is fresh and owned by nobody else.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-    })
-    .io_context(|| format!("opening a socket in slot {index}"))?;
+    let control = in_namespace(ns.as_raw_fd(), control_socket)
+        .io_context(|| format!("opening a socket in slot {index}"))?;
     Ok(NetSlot {
         index,
         ns,
@@ -617,18 +609,23 @@ fn new_namespace() -> Result<(OwnedFd, OwnedFd)> {
         for conf in ["all", "default"] {
             write_ipv6_conf(conf, "disable_ipv6", "1")?;
         }
-        // SAFETY: socket(2) takes no pointers; the result is checked.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: fd is fresh and owned by nobody else.
-        let control = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok((ns.into(), control))
+        Ok((ns.into(), control_socket()?))
     })
     .join()
     .expect("namespace thread does not panic")
     .io_context(|| "creating a network namespace".into())
+}
+
+/// An AF_INET datagram socket of the calling thread's namespace: routes
+/// of that namespace are changed through it (see [`NetSlot`]).
+fn control_socket() -> std::io::Result<OwnedFd> {
+    // SAFETY: socket(2) takes no pointers; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is fresh and owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Turns IPv6 off on `ifname` of the engine's namespace.

@@ -82,7 +82,14 @@ pub(crate) struct Leftovers {
     /// Running or paused VMs whose QEMU outlived the engine that started
     /// it (a crash, a SIGKILL): adopted, or reaped with [`reap_vm`] if that
     /// fails.
-    pub survivors: Vec<VmRecord>,
+    pub survivors: Vec<Survivor>,
+}
+
+/// A running or paused VM whose recorded QEMU still runs in its directory.
+pub(crate) struct Survivor {
+    pub record: VmRecord,
+    pub pid: u32,
+    pub net_slot: u32,
 }
 
 /// Reaps leftovers under `state_dir` but the VMs a new engine may take
@@ -108,16 +115,17 @@ pub(crate) fn reap_leftovers(
                 kept.hibernated.push(record.clone());
                 continue;
             }
-            let still_runs = record
-                .pid
-                .is_some_and(|pid| qemu_pids_of(proc_root, &dir, Some(pid)).first() == Some(&pid));
-            if adopt_survivors
-                && still_runs
-                && record.net_slot.is_some()
-                && record.state != VmState::Hibernated
+            if let (true, Some(pid), Some(net_slot)) =
+                (adopt_survivors, record.pid, record.net_slot)
             {
-                kept.survivors.push(record.clone());
-                continue;
+                if record.state != VmState::Hibernated && names_dir(proc_root, pid, &dir) {
+                    kept.survivors.push(Survivor {
+                        record: record.clone(),
+                        pid,
+                        net_slot,
+                    });
+                    continue;
+                }
             }
         }
         reap_vm(proc_root, &dir, record.as_ref().and_then(|r| r.pid));
@@ -168,14 +176,8 @@ pub(crate) fn reap_unfinished_bakes(proc_root: &Path, template_dir: &Path) {
 /// Processes whose command line names `dir`: the recorded pid if it still
 /// does, or any other (a crash between spawn and writing the pid).
 fn qemu_pids_of(proc_root: &Path, dir: &Path, recorded: Option<u32>) -> Vec<u32> {
-    let needle = format!("{}/", dir.display());
-    let names_dir = |pid: u32| -> bool {
-        std::fs::read(proc_root.join(pid.to_string()).join("cmdline"))
-            .map(|c| String::from_utf8_lossy(&c).contains(&needle))
-            .unwrap_or(false)
-    };
     if let Some(pid) = recorded {
-        if names_dir(pid) {
+        if names_dir(proc_root, pid, dir) {
             return vec![pid];
         }
     }
@@ -185,8 +187,16 @@ fn qemu_pids_of(proc_root: &Path, dir: &Path, recorded: Option<u32>) -> Vec<u32>
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| pid != std::process::id() && names_dir(pid))
+        .filter(|&pid| pid != std::process::id() && names_dir(proc_root, pid, dir))
         .collect()
+}
+
+/// Whether process `pid`'s command line names VM directory `dir`.
+fn names_dir(proc_root: &Path, pid: u32, dir: &Path) -> bool {
+    let needle = format!("{}/", dir.display());
+    std::fs::read(proc_root.join(pid.to_string()).join("cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+        .unwrap_or(false)
 }
 
 fn kill_and_wait(proc_root: &Path, pid: u32) {

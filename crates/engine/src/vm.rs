@@ -105,7 +105,9 @@ impl QemuProcess {
     }
 }
 
-pub(crate) fn pidfd_open(pid: u32) -> Result<OwnedFd> {
+/// A pidfd of process `pid`, registered to be awaited: it turns readable
+/// when the process ends.
+fn pidfd_open(pid: u32) -> Result<tokio::io::unix::AsyncFd<OwnedFd>> {
     // SAFETY: pidfd_open(2) takes no pointers; the result is checked.
     let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
     if raw < 0 {
@@ -113,7 +115,14 @@ pub(crate) fn pidfd_open(pid: u32) -> Result<OwnedFd> {
             .io_context(|| format!("pidfd_open of QEMU {pid}"));
     }
     // SAFETY: a descriptor the kernel just gave us, owned from here on.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw as RawFd) })
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw as RawFd) };
+    // SAFETY: the OwnedFd stays open, and the same descriptor, for as long
+    // as the AsyncFd that owns it.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    }
+    .map_err(|e| std::io::Error::other(e.to_string()))
+    .io_context(|| "registering a pidfd".into())
 }
 
 fn send_signal(pidfd: &OwnedFd, signal: libc::c_int) {
@@ -173,13 +182,6 @@ pub(crate) fn watch_exit(
     // QEMU is checked to be in its VM's cgroup after this is opened, so the
     // pid names the VM's QEMU.
     let pidfd = pidfd_open(pid)?;
-    // SAFETY: the OwnedFd stays open, and the same descriptor, for as long
-    // as the AsyncFd that owns it.
-    let pidfd = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
-    }
-    .map_err(|e| std::io::Error::other(e.to_string()))
-    .io_context(|| "registering a pidfd".into())?;
     tokio::spawn(async move {
         let mut thrash = crate::cgroup::ThrashWatch::default();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -260,6 +262,25 @@ impl VmNow {
 }
 
 impl Vm {
+    /// A VM as `record` describes it, in `state`, with no process yet.
+    pub(crate) fn from_record(record: VmRecord, dir: PathBuf, state: VmState) -> Vm {
+        Vm {
+            now: VmNow::new(state, &record.source),
+            id: record.id,
+            dir,
+            inner: tokio::sync::Mutex::new(VmInner {
+                state,
+                source: record.source,
+                live: None,
+            }),
+            failure: Mutex::new(None),
+            created_unix_ms: record.created_unix_ms,
+            restore_ms: Mutex::new(0.0),
+            allow_internet: record.allow_internet,
+            volumes: record.volumes,
+        }
+    }
+
     pub fn state(&self) -> VmState {
         self.now.lock().unwrap().state
     }
@@ -380,38 +401,29 @@ pub(crate) async fn restore(
 /// answer a new connection.
 const ADOPT_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Takes over the QEMU of `record`, which an engine that died left running
-/// in `net` and `jail`: holds it by a pidfd, connects to its QMP monitor
+/// Takes over QEMU `pid` of sandbox `id`, which an engine that died left
+/// running in `dir`, `net` and `jail`: holds it by a pidfd, connects to its QMP monitor
 /// and its guest agent anew (QEMU listens again once the dead engine's
 /// connections closed) and returns it with the state QEMU reports. The
 /// agent answers a new host as it does after a restore: what the dead
 /// engine's calls still had in flight is discarded by the handshake.
 pub(crate) async fn adopt(
-    record: &VmRecord,
+    id: &str,
+    pid: u32,
     dir: &Path,
     net: NetSlot,
     jail: VmJail,
 ) -> Result<(Live, VmState)> {
-    let pid = record.pid.ok_or_else(|| EngineError::Qemu {
-        message: format!("sandbox {} has no recorded process", record.id),
-    })?;
     let pidfd = pidfd_open(pid)?;
     // After the pidfd is open, so the pid cannot be a reused one: the
     // process is the VM's QEMU if its cgroup still holds it.
     if !jail.cgroup.members().contains(&pid) {
         return Err(EngineError::Qemu {
-            message: format!("QEMU {pid} of sandbox {} left its cgroup", record.id),
+            message: format!("QEMU {pid} of sandbox {id} left its cgroup"),
         });
     }
-    // SAFETY: the OwnedFd stays open, and the same descriptor, for as long
-    // as the AsyncFd that owns it.
-    let pidfd = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
-    }
-    .map_err(|e| std::io::Error::other(e.to_string()))
-    .io_context(|| "registering a pidfd".into())?;
     let mut process = QemuProcess::Adopted(pidfd);
-    match connect_adopted(dir, &record.id).await {
+    match connect_adopted(dir, id).await {
         Ok((qmp, agent, state)) => Ok((
             Live {
                 process,

@@ -171,7 +171,7 @@ impl HostAgent {
     }
 
     /// What the VMs on this host hold now.
-    async fn held(&self) -> Held {
+    pub async fn held(&self) -> Held {
         let mut held = Held::default();
         for vm in self.engine.list().await {
             if vm.state != VmState::Hibernated {
