@@ -356,6 +356,9 @@ pub fn router(state: Arc<ControlPlane>) -> Router {
         )
         // Around matched routes only, where the route's pattern is known.
         .route_layer(axum::middleware::from_fn(metrics::track))
+        // Static pages, added after the API's layers so none of them runs
+        // on an API request because of the console, nor on the console's.
+        .merge(shoal_console::router())
         .fallback(|| async { ApiError::not_found("not found") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(

@@ -139,6 +139,7 @@ pub async fn capacity(State(cp): St, Caller(_account): Caller) -> ApiResult<Json
             "reserve_mib": reserve_mib,
             "sandboxes": held,
             "max_sandboxes": max_sandboxes,
+            "heartbeat_age_seconds": null,
         })]
     } else {
         rows.iter()
@@ -161,11 +162,15 @@ pub async fn capacity(State(cp): St, Caller(_account): Caller) -> ApiResult<Json
                     "reserve_mib": r.reserve_mib,
                     "sandboxes": r.sandboxes + h.in_flight_sandboxes,
                     "max_sandboxes": r.max_sandboxes,
+                    "heartbeat_age_seconds": (at - h.heartbeat_at).max(0.0),
                 })
             })
             .collect()
     };
-    Ok(Json(json!({ "hosts": hosts })))
+    Ok(Json(json!({
+        "hosts": hosts,
+        "history": crate::metrics::metrics().recent_placements(),
+    })))
 }
 
 pub async fn snapshots(

@@ -51,6 +51,54 @@ pub struct Metrics {
     host_memory_available_bytes: IntGauge,
     /// Scrape-time gauges are reset and refilled: one scrape at a time.
     scrape: tokio::sync::Mutex<()>,
+    /// Placements and refusals per minute, for the console's fleet page.
+    recent: std::sync::Mutex<Recent>,
+}
+
+/// The last [`Recent::MINUTES`] minutes of creates this API placed and
+/// requests it refused (every reason `refused` counts), oldest first.
+#[derive(Debug, Default)]
+struct Recent {
+    /// `(minute start, placed, refused)`.
+    minutes: std::collections::VecDeque<(u64, u64, u64)>,
+}
+
+impl Recent {
+    const MINUTES: usize = 60;
+
+    fn count(&mut self, at: f64, placed: u64, refused: u64) {
+        let minute = (at.max(0.0) as u64) / 60 * 60;
+        match self.minutes.back_mut() {
+            Some(last) if last.0 == minute => {
+                last.1 += placed;
+                last.2 += refused;
+            }
+            // A clock stepped back: count into the newest minute rather
+            // than break the order.
+            Some(last) if last.0 > minute => {
+                last.1 += placed;
+                last.2 += refused;
+            }
+            _ => self.minutes.push_back((minute, placed, refused)),
+        }
+        while self.minutes.len() > Self::MINUTES {
+            self.minutes.pop_front();
+        }
+    }
+
+    /// Every minute of the last hour up to `at`'s, empty ones included.
+    fn series(&self, at: f64) -> serde_json::Value {
+        let now_minute = (at.max(0.0) as u64) / 60 * 60;
+        let first = now_minute.saturating_sub(60 * (Self::MINUTES as u64 - 1));
+        let (mut minute, mut placed, mut refused) = (vec![], vec![], vec![]);
+        for m in (first..=now_minute).step_by(60) {
+            let found = self.minutes.iter().find(|(start, ..)| *start == m);
+            minute.push(m);
+            placed.push(found.map_or(0, |f| f.1));
+            refused.push(found.map_or(0, |f| f.2));
+        }
+        serde_json::json!({ "minute": minute, "placed": placed, "refused": refused })
+    }
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
@@ -141,6 +189,7 @@ impl Metrics {
             ),
             registry,
             scrape: tokio::sync::Mutex::new(()),
+            recent: std::sync::Mutex::new(Recent::default()),
         }
     }
 
@@ -158,6 +207,23 @@ impl Metrics {
             _ => return,
         };
         self.refusals.with_label_values(&[reason]).inc();
+        self.count_recent(0, 1);
+    }
+
+    fn count_recent(&self, placed: u64, refused: u64) {
+        self.recent
+            .lock()
+            .expect("never poisoned: no panic while held")
+            .count(crate::now(), placed, refused);
+    }
+
+    /// Creates placed and requests refused per minute over the last hour:
+    /// `{minute: [unix seconds], placed: [n], refused: [n]}`.
+    pub fn recent_placements(&self) -> serde_json::Value {
+        self.recent
+            .lock()
+            .expect("never poisoned: no panic while held")
+            .series(crate::now())
     }
 
     /// Cells the sweep runner claimed.
@@ -272,7 +338,11 @@ pub async fn track(request: Request, next: Next) -> Response {
         .with_label_values(&[method.as_str(), route.as_str(), status.as_str()])
         .inc();
     if status.is_success() {
-        if let Some(operation) = operation(&method, &route) {
+        let operation = operation(&method, &route);
+        if matches!(operation, Some("create" | "fork")) {
+            metrics.count_recent(1, 0);
+        }
+        if let Some(operation) = operation {
             metrics
                 .operation_seconds
                 .with_label_values(&[operation])
@@ -338,6 +408,31 @@ pub async fn serve(State(cp): State<Arc<ControlPlane>>, request: Request) -> Res
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn recent_placements_fill_every_minute_of_the_hour_and_forget_older_ones() {
+        let mut recent = Recent::default();
+        // Minutes start at multiples of 60 s: 600_000 is one.
+        recent.count(600_000.0 - 3600.0, 5, 5);
+        recent.count(600_000.0, 1, 0);
+        recent.count(600_010.0, 1, 2);
+        recent.count(600_070.0, 0, 1);
+        let series = recent.series(600_090.0);
+        let minutes = series["minute"].as_array().unwrap();
+        assert_eq!(minutes.len(), Recent::MINUTES);
+        assert_eq!(minutes.last().unwrap(), 600_060);
+        let placed: Vec<u64> = serde_json::from_value(series["placed"].clone()).unwrap();
+        let refused: Vec<u64> = serde_json::from_value(series["refused"].clone()).unwrap();
+        assert_eq!(&placed[placed.len() - 2..], &[2, 0]);
+        assert_eq!(&refused[refused.len() - 2..], &[2, 1]);
+        // The counts of an hour ago are out of the window.
+        assert_eq!(placed.iter().sum::<u64>(), 2);
+        assert_eq!(refused.iter().sum::<u64>(), 3);
+        for minute in 0..100 {
+            recent.count(600_090.0 + 60.0 * minute as f64, 1, 0);
+        }
+        assert!(recent.minutes.len() <= Recent::MINUTES);
+    }
+
     use super::*;
 
     #[test]

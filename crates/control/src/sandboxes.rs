@@ -41,7 +41,18 @@ pub fn sandbox_json(row: &SandboxRow) -> Value {
         "persistent": row.persistent,
         "ttl_seconds": row.ttl_seconds,
         "max_lifetime_seconds": row.max_lifetime_seconds,
+        "idle_seconds": idle_seconds(row, crate::now()),
     })
+}
+
+/// Whole seconds since the last API activity on the sandbox; none while a
+/// command runs in it (a running exec keeps it from idling out too).
+fn idle_seconds(row: &SandboxRow, at: f64) -> u64 {
+    if row.running_execs > 0 {
+        0
+    } else {
+        (at - row.last_activity_at).max(0.0) as u64
+    }
 }
 
 impl ControlPlane {

@@ -55,6 +55,16 @@ async fn the_document_and_the_router_agree() {
             );
         }
     }
+    // The web console is served beside the API, not part of it.
+    for page in ["/", "/console/index.html"] {
+        let request = Request::get(page).body(Body::empty()).unwrap();
+        let answer = router.clone().oneshot(request).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "{page}");
+        assert!(answer.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/html"));
+    }
     let source = include_str!("../src/lib.rs");
     assert_eq!(
         source.matches("        .route(").count(),

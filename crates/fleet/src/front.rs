@@ -572,6 +572,9 @@ pub fn router(front: Arc<Front>) -> Router {
         .route("/v1/templates/builds/{id}/{*rest}", any(about_build))
         .route("/v1/apps/{id}", any(about_app))
         .route("/v1/apps/{id}/{*rest}", any(about_app))
+        // The console's pages are the front's own; what they call is
+        // forwarded like any client's request.
+        .merge(shoal_console::router())
         .fallback(elsewhere)
         .with_state(front)
 }
