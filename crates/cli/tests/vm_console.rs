@@ -78,6 +78,9 @@ impl Driver {
         let Value::Object(capabilities) = capabilities else {
             unreachable!()
         };
+        // fantoccini's client is built with rustls, whose provider the
+        // process picks once (the product's is ring).
+        let _ = rustls::crypto::ring::default_provider().install_default();
         ClientBuilder::rustls()
             .expect("a TLS configuration")
             .capabilities(capabilities)
@@ -211,6 +214,8 @@ fn screenshots_dir() -> PathBuf {
 fn the_console_shows_an_account_its_own_sandboxes_sweeps_and_costs() {
     shoal_testkit::block_on(async {
         let state = shoal_testkit::state_dir("vm_console");
+        let _ = std::fs::remove_dir_all(&state);
+        std::fs::create_dir_all(&state).unwrap();
         let up = shoal_testkit::UpConfig::new(env!("CARGO_BIN_EXE_shoal"), &state)
             .start()
             .await;
@@ -388,6 +393,15 @@ fn the_console_shows_an_account_its_own_sandboxes_sweeps_and_costs() {
         )
         .await;
         page.shot("fleet").await;
+        // Its history counts the API's create and the sweep's cells.
+        let capacity = alice.ok(Method::GET, "/v1/capacity", None).await;
+        let placed: u64 = capacity["history"]["placed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .sum();
+        assert!(placed > CELLS, "{capacity}");
 
         // Another account sees nothing of alice's, even by address.
         page.sign_out().await;

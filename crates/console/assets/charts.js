@@ -119,7 +119,17 @@ export function createChart(figure, cfg) {
     const scales = {
       x: categorical
         ? { time: false, range: () => [-0.6, Math.max(0.6, (cfg.labels() || []).length - 0.4)] }
-        : { time: xTime, ...(cfg.xPad ? { range: (self, min, max) => [min - cfg.xPad, max + cfg.xPad] } : {}) },
+        : !xTime && !cfg.xPad ? { time: false }
+        : { time: xTime, range: (self, min, max) => {
+            const pad = cfg.xPad ?? 0;
+            if (min == null || max == null) {
+              const now = Date.now() / 1000;
+              return xTime ? [now - 60, now] : [0, 1];
+            }
+            // One sample (or none apart): a minute around it, not decades.
+            const lo = min - pad, hi = max + pad;
+            return hi - lo < 60 && xTime ? [lo - 30, hi + 30] : [lo, hi];
+          } },
     };
     for (const a of (cfg.axes ?? [{ scale: 'y' }])) {
       scales[a.scale ?? 'y'] = a.zero === false

@@ -54,9 +54,12 @@ export function setAttr(el, name, value) {
 
 // ---- formatting ----
 
-export function usd(n, digits = 4) {
+/** Dollars; amounts under a cent (a sandbox's few seconds) get six
+ *  decimals so they do not read as nothing. */
+export function usd(n, digits) {
   if (n == null || !Number.isFinite(Number(n))) return '—';
-  return '$' + Number(n).toFixed(digits);
+  const v = Number(n);
+  return '$' + v.toFixed(digits ?? (v !== 0 && Math.abs(v) < 0.01 ? 6 : 4));
 }
 
 export function num(n, digits = 1) {

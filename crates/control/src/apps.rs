@@ -700,7 +700,7 @@ async fn deploy(cp: &Arc<ControlPlane>, app: &AppRow) {
             return fail(cp, app, None, format!("template {template}: {e}")).await;
         }
     };
-    let slot = match cp.host.reserve(1, manifest.memory_mib).await {
+    let slot = match cp.reserve(1, manifest.memory_mib).await {
         Ok(slot) => slot,
         Err(e) if is_capacity(&e) => return park(cp, app, None, e.to_string()).await,
         Err(e) => return fail(cp, app, None, e.to_string()).await,

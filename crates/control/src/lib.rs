@@ -120,6 +120,19 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
+    /// Room on this host for `count` new VMs (creates, forks, sweep
+    /// cells, apps); each one reserved counts as a placement in the
+    /// fleet page's history.
+    pub(crate) async fn reserve(
+        &self,
+        count: usize,
+        memory_mib: u32,
+    ) -> Result<shoal_host::Reservation, shoal_host::HostError> {
+        let slots = self.host.reserve(count, memory_mib).await?;
+        metrics::metrics().placed(count as u64);
+        Ok(slots)
+    }
+
     pub fn new(store: Store, host: Arc<HostAgent>, config: ControlConfig) -> Arc<Self> {
         Arc::new(ControlPlane {
             store,

@@ -55,8 +55,8 @@ pub struct Metrics {
     recent: std::sync::Mutex<Recent>,
 }
 
-/// The last [`Recent::MINUTES`] minutes of creates this API placed and
-/// requests it refused (every reason `refused` counts), oldest first.
+/// The last [`Recent::MINUTES`] minutes of VMs placed on this host and
+/// requests its API refused (every reason `refused` counts), oldest first.
 #[derive(Debug, Default)]
 struct Recent {
     /// `(minute start, placed, refused)`.
@@ -210,6 +210,11 @@ impl Metrics {
         self.count_recent(0, 1);
     }
 
+    /// VMs placed on this host (creates, forks, sweep cells, apps).
+    pub(crate) fn placed(&self, count: u64) {
+        self.count_recent(count, 0);
+    }
+
     fn count_recent(&self, placed: u64, refused: u64) {
         self.recent
             .lock()
@@ -338,11 +343,7 @@ pub async fn track(request: Request, next: Next) -> Response {
         .with_label_values(&[method.as_str(), route.as_str(), status.as_str()])
         .inc();
     if status.is_success() {
-        let operation = operation(&method, &route);
-        if matches!(operation, Some("create" | "fork")) {
-            metrics.count_recent(1, 0);
-        }
-        if let Some(operation) = operation {
+        if let Some(operation) = operation(&method, &route) {
             metrics
                 .operation_seconds
                 .with_label_values(&[operation])

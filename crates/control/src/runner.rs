@@ -1350,7 +1350,7 @@ async fn make_sandbox(
         },
         None => (None, None),
     };
-    let slot = cp.host.reserve(1, info.memory_mib).await.map_err(refusal)?;
+    let slot = cp.reserve(1, info.memory_mib).await.map_err(refusal)?;
     let lifetime = sweep.timeout_seconds + LIFETIME_MARGIN_SECONDS;
     let new = NewSandbox {
         id: crate::sandboxes::new_id(),
@@ -1485,7 +1485,7 @@ async fn make_parent(cp: &Arc<ControlPlane>, info: &SweepInfo) -> Result<ParentS
         .and_then(Value::as_u64)
         .unwrap_or(sweep.timeout_seconds);
     held_here(cp, info)?;
-    let slot = cp.host.reserve(1, info.memory_mib).await.map_err(refusal)?;
+    let slot = cp.reserve(1, info.memory_mib).await.map_err(refusal)?;
     let mut metadata = shoal_store::Metadata::new();
     metadata.insert("sweep".into(), sweep.id.clone());
     metadata.insert("sweep_role".into(), "parent".into());

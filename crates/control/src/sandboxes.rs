@@ -362,7 +362,7 @@ pub(crate) async fn create_sandbox(
         memory_mib: body.memory_mb.unwrap_or(restored.memory_mib),
     };
     size.check_within(&restored)?;
-    let slot = cp.host.reserve(1, size.memory_mib).await?;
+    let slot = cp.reserve(1, size.memory_mib).await?;
     let new = NewSandbox {
         id: new_id(),
         template,
@@ -592,7 +592,7 @@ async fn fork_children(
     if !info.volumes.is_empty() {
         return Err(shoal_host::EngineError::HasVolumes(parent.id.clone()).into());
     }
-    let slots = cp.host.reserve(count, info.memory_mib).await?;
+    let slots = cp.reserve(count, info.memory_mib).await?;
     let mut metadata = parent.metadata.clone();
     metadata.extend(extra);
     metadata.insert("fork_parent_id".into(), parent.id.clone());

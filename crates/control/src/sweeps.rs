@@ -686,6 +686,7 @@ pub async fn cells_list(
         limit: Some(DEFAULT_CELL_LIMIT),
         ..CellFilter::default()
     };
+    let mut outputs = true;
     for (key, value) in query_pairs(q)? {
         let number = |name: &str| {
             value
@@ -708,6 +709,13 @@ pub async fn cells_list(
                 }
                 filter.limit = Some(limit);
             }
+            "outputs" => {
+                outputs = match value.as_str() {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    _ => return Err(bad(format!("outputs must be true or false: {value:?}"))),
+                }
+            }
             _ => {}
         }
     }
@@ -717,7 +725,21 @@ pub async fn cells_list(
         Some(state) => summary.counts.get(state),
         None => summary.counts.total(),
     };
-    let cells: Vec<Value> = cells.iter().map(|c| cell_json(&row, c, false)).collect();
+    let cells: Vec<Value> = cells
+        .iter()
+        .map(|c| {
+            let mut cell = cell_json(&row, c, false);
+            // A grid of 10,000 cells needs their states, not 8 KiB of
+            // output tails each.
+            if !outputs {
+                if let Some(fields) = cell.as_object_mut() {
+                    fields.remove("stdout");
+                    fields.remove("stderr");
+                }
+            }
+            cell
+        })
+        .collect();
     Ok(Json(json!({ "cells": cells, "total": total })))
 }
 

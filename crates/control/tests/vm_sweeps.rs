@@ -378,6 +378,25 @@ async fn ten_cells_within_the_throttle(server: &Server) {
         .collect();
     assert_eq!(listed, vec![2, 3, 4, 5]);
     assert!(list["cells"][0].get("collected").is_none());
+    assert!(list["cells"][0]["stdout"].is_string(), "{list}");
+    let (status, error) = server
+        .call(
+            reqwest::Method::GET,
+            &format!("/v1/sweeps/{id}/cells?outputs=maybe"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "{error}");
+    // States only, for the console's grid: no output tails.
+    let states = server
+        .get(&format!(
+            "/v1/sweeps/{id}/cells?outputs=false&limit=4&offset=2"
+        ))
+        .await;
+    assert_eq!(states["cells"][0]["index"], 2);
+    assert_eq!(states["cells"][0]["state"], "succeeded");
+    assert!(states["cells"][0].get("stdout").is_none(), "{states}");
+    assert!(states["cells"][0].get("stderr").is_none(), "{states}");
     server.assert_nothing_left(&id).await;
     let usage = server.get(&format!("/v1/usage?metadata=sweep={id}")).await;
     assert_eq!(usage["items"].as_array().unwrap().len(), 10, "{usage}");

@@ -13,7 +13,6 @@ const FINISHED = new Set(['succeeded', 'failed', 'timeout']);
 const MAX_FAILURES = 50;
 
 /** Dollars: 4 decimals, or 6 for amounts under a cent. */
-const money = v => usd(v, Math.abs(Number(v)) < 0.01 ? 6 : 4);
 
 export default function mount(root, [id], ctx) {
   const base = `/v1/sweeps/${encodeURIComponent(id)}`;
@@ -129,7 +128,7 @@ export default function mount(root, [id], ctx) {
     setText(facts.created, dateTime(s.created_at));
     setText(facts.started, s.started_at ? dateTime(s.started_at) : '—');
     setText(facts.finished, s.finished_at ? dateTime(s.finished_at) : '—');
-    setText(cost, money(s.cost_usd));
+    setText(cost, usd(s.cost_usd));
     if (!throttleDirty && document.activeElement !== throttleIn) throttleIn.value = s.throttle ?? '';
     updateButtons();
   }
@@ -152,7 +151,8 @@ export default function mount(root, [id], ctx) {
     const worker = async () => {
       while (next < pages.length) {
         const i = next++;
-        const res = await ctx.api(`${base}/cells?limit=${Math.min(PAGE, n - pages[i])}&offset=${pages[i]}`);
+        // States only: a 10,000-cell grid must not fetch every output tail.
+        const res = await ctx.api(`${base}/cells?outputs=false&limit=${Math.min(PAGE, n - pages[i])}&offset=${pages[i]}`);
         out[i] = res?.cells ?? [];
       }
     };
@@ -236,11 +236,22 @@ export default function mount(root, [id], ctx) {
     return { recent: ts.length / span, window: null };
   }
 
-  function renderFailures() {
-    const bad = cells.filter(c => c.state === 'failed' || c.state === 'timeout');
+  // The failed and timed-out cells with their output tails, the first
+  // MAX_FAILURES of each state.
+  async function loadFailures() {
+    const c = sweep?.counts ?? {};
+    const wanted = ['failed', 'timeout'].filter(st => (c[st] ?? 0) > 0);
+    const lists = await Promise.all(wanted.map(st =>
+      ctx.api(`${base}/cells?state=${st}&limit=${MAX_FAILURES}`).then(r => r?.cells ?? [])));
+    return lists.flat().sort((a, b) => a.index - b.index);
+  }
+
+  function renderFailures(bad) {
     if (!bad.length) { replace(failures, h('p', { class: 'muted' }, 'No failed or timed-out cells.')); return; }
+    const c = sweep?.counts ?? {};
+    const all = Math.max(bad.length, (c.failed ?? 0) + (c.timeout ?? 0));
     replace(failures,
-      bad.length > MAX_FAILURES ? h('p', { class: 'muted' }, `Showing ${MAX_FAILURES} of ${int(bad.length)} failed or timed-out cells.`) : null,
+      all > Math.min(bad.length, MAX_FAILURES) ? h('p', { class: 'muted' }, `Showing ${int(Math.min(bad.length, MAX_FAILURES))} of ${int(all)} failed or timed-out cells.`) : null,
       bad.slice(0, MAX_FAILURES).map(c => {
         const stderr = String(c.stderr ?? '');
         const tail = stderr.length > 2000 ? '…' + stderr.slice(-2000) : stderr;
@@ -264,7 +275,7 @@ export default function mount(root, [id], ctx) {
     const remaining = (c.pending ?? 0) + (c.running ?? 0);
     const spent = Number(s.cost_usd) || 0;
     if (s.state === 'done' || s.state === 'cancelled' || remaining === 0) {
-      setText(estCost, money(spent));
+      setText(estCost, usd(spent));
       setText(eta, s.state === 'cancelled' ? 'cancelled' : 'finished');
       // Over: the average rate from start to end, not a "recent" one.
       const span = epoch(s.finished_at) - epoch(s.started_at);
@@ -272,7 +283,7 @@ export default function mount(root, [id], ctx) {
       setText(rate, finished && span > 0 ? `${num(finished / span * 60, 1)} cells/min` : '—');
       return;
     } else {
-      setText(estCost, finished ? `${money(spent + spent / finished * remaining)} (≈${money(spent / finished)} per cell)` : 'after the first cell');
+      setText(estCost, finished ? `${usd(spent + spent / finished * remaining)} (≈${usd(spent / finished)} per cell)` : 'after the first cell');
       if (s.state === 'held') setText(eta, 'held');
       else if (Number(s.throttle) === 0) setText(eta, 'paused (throttle 0)');
       else setText(eta, recent?.recent ? `≈${duration(remaining / recent.recent)} (${int(remaining)} cells left)` : `unknown (${int(remaining)} cells left)`);
@@ -291,14 +302,14 @@ export default function mount(root, [id], ctx) {
     if (!cellsLoading && (cellsKey !== key || now - cellsAt > 30_000) && (cellsKey == null || now - cellsAt >= minGap)) {
       cellsLoading = true;
       try {
-        const list = await loadCells(s.total ?? 0);
+        const [list, failed] = await Promise.all([loadCells(s.total ?? 0), loadFailures()]);
         if (!ctx.alive()) return;
         cells = list;
         cellsKey = key;
         cellsAt = Date.now();
         renderGrid();
         renderHistogram();
-        renderFailures();
+        renderFailures(failed);
         renderEstimates(renderThroughput());
       } finally { cellsLoading = false; }
     } else {

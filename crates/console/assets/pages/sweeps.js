@@ -61,6 +61,6 @@ function row(s) {
       h('progress', { max: '1', value: String(p), 'aria-label': `Progress of ${s.name || s.id}` }),
       ` ${Math.round(p * 100)}%`),
     h('td', null, `${int(s.total ?? 0)} total`, parts.length ? h('div', { class: 'muted', style: 'font-size:.8rem' }, parts.join(', ')) : null),
-    h('td', { class: 'num' }, usd(s.cost_usd, Math.abs(Number(s.cost_usd)) < 0.01 ? 6 : 4)),
+    h('td', { class: 'num' }, usd(s.cost_usd)),
     h('td', { class: 'nowrap' }, dateTime(s.created_at)));
 }
