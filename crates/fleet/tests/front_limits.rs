@@ -517,6 +517,32 @@ fn slow_account_limits() -> FrontLimits {
     limits
 }
 
+/// The web console's pages are the front's own (never forwarded), served
+/// without a token; what they call goes through the API as any client's.
+async fn the_console_is_served_by_the_front(fleet: &Fleet) {
+    let http = reqwest::Client::new();
+    for (path, kind) in [("/", "text/html"), ("/console/app.js", "text/javascript")] {
+        let answer = http
+            .get(format!("{}{path}", fleet.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), reqwest::StatusCode::OK, "{path}");
+        let headers = answer.headers();
+        assert!(headers["content-type"].to_str().unwrap().starts_with(kind));
+        assert!(headers["content-security-policy"]
+            .to_str()
+            .unwrap()
+            .contains("frame-ancestors 'none'"));
+    }
+    let answer = http
+        .get(format!("{}/v1/sandboxes", fleet.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::UNAUTHORIZED);
+}
+
 /// Each case as `sqlite::NAME` and `postgres::NAME`, on a front with the
 /// limits given.
 macro_rules! cases {
@@ -554,4 +580,5 @@ cases!(
     bad_tokens_from_one_address_are_refused_429: FrontLimits::default(),
     an_account_past_its_rate_is_refused_429: slow_account_limits(),
     tokens_are_answered_by_the_front: FrontLimits::default(),
+    the_console_is_served_by_the_front: FrontLimits::default(),
 );
