@@ -79,8 +79,8 @@ impl Driver {
             unreachable!()
         };
         // fantoccini's client is built with rustls, whose provider the
-        // process picks once (the product's is ring).
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        // process picks once: the product's own choice.
+        shoal_fleet::tls::install_crypto_provider();
         ClientBuilder::rustls()
             .expect("a TLS configuration")
             .capabilities(capabilities)
