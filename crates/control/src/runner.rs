@@ -601,6 +601,18 @@ async fn attempt(cp: &Arc<ControlPlane>, claim: Claim) {
         .lock()
         .unwrap()
         .insert(claim.claim_id.clone(), cancel_tx);
+    // The lease is renewed from the claim to the end of the attempt: the
+    // sweep's first attempt may boot the template at the task's size (half
+    // a minute on two busy cores, the lease's whole length), a start may
+    // wait for its turn, a restore may be slowed by many others; none of it
+    // may let the lease lapse (both did: twenty VMs starting on two cores,
+    // and three `--mem` jobs booting their sizes at once).
+    let (renewal_tx, renewal) = watch::channel(Renewal::Renewed);
+    let _renewing = AbortOnDrop(tokio::spawn(renew_lease(
+        cp.clone(),
+        claim.clone(),
+        renewal_tx,
+    )));
     let info = match sweep_info(cp, &claim.sweep_id).await {
         Ok(info) => info,
         Err(error) => {
@@ -613,7 +625,7 @@ async fn attempt(cp: &Arc<ControlPlane>, claim: Claim) {
             return;
         }
     };
-    run_attempt(cp, &info, &claim, cancel_rx).await;
+    run_attempt(cp, &info, &claim, cancel_rx, renewal).await;
     cp.runner.running.lock().unwrap().remove(&claim.claim_id);
 }
 
@@ -678,19 +690,11 @@ async fn run_attempt(
     info: &SweepInfo,
     claim: &Claim,
     mut cancel: watch::Receiver<bool>,
+    mut renewal: watch::Receiver<Renewal>,
 ) {
     let sweep = &info.row;
     let mut timings = Timings::default();
     let started = Instant::now();
-    // The lease is renewed from the claim to the end of the attempt: a
-    // start waiting for its turn, or a restore slowed by many others, must
-    // not let it lapse (it did, with twenty VMs starting on two cores).
-    let (renewal_tx, mut renewal) = watch::channel(Renewal::Renewed);
-    let _renewing = AbortOnDrop(tokio::spawn(renew_lease(
-        cp.clone(),
-        claim.clone(),
-        renewal_tx,
-    )));
     // Held until the command runs (or the attempt stops before): the wait
     // for a turn counts in `create`.
     let starting = cp

@@ -48,11 +48,20 @@ struct Server {
 
 impl Server {
     async fn start(db: shoal_testkit::TestDb) -> Server {
+        Self::start_with(db, |_| {}).await
+    }
+
+    /// [`Server::start`] with the control plane's configuration changed.
+    async fn start_with(
+        db: shoal_testkit::TestDb,
+        change: impl FnOnce(&mut ControlConfig),
+    ) -> Server {
         let host = host().await;
         let store = Store::connect(&db.url).await.expect("opening the store");
         let token = store.create_token("sweeper", Tier::Team).await.unwrap();
         let mut config = ControlConfig::default();
         config.sweeps.housekeeping = Duration::from_millis(500);
+        change(&mut config);
         let cp = ControlPlane::new(store.clone(), host.clone(), config);
         cp.start_background().await.map_err(|e| e.message).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -251,6 +260,20 @@ mod sqlite_only {
         super::serial(async {
             let server = super::Server::start(shoal_testkit::TestDb::sqlite().await).await;
             super::bad_requests_name_the_field(&server).await;
+            server.stop().await;
+        });
+    }
+
+    #[test]
+    fn a_sized_boot_outlasts_the_lease() {
+        super::serial(async {
+            // A lease far shorter than a cold boot: only renewals from the
+            // claim on keep the cell.
+            let server = super::Server::start_with(shoal_testkit::TestDb::sqlite().await, |c| {
+                c.sweeps.lease = std::time::Duration::from_secs(1)
+            })
+            .await;
+            super::a_sized_boot_outlasts_the_lease(&server).await;
             server.stop().await;
         });
     }
@@ -496,6 +519,41 @@ async fn timeouts_and_retries(server: &Server) {
         cells[0]["elapsed_ms"].as_u64().unwrap() < 15_000,
         "it ended at SIGTERM, not at SIGKILL: {}",
         cells[0]
+    );
+    server.assert_nothing_left(id).await;
+}
+
+/// The first attempt of a sweep sized by Slurm's `--cpus-per-task` and
+/// `--mem` boots the template at that size (seconds on TCG, half a minute
+/// on two busy cores): its lease is renewed through the boot, so the cell
+/// runs once and succeeds, not "lease expired" (the corpus's `--mem` jobs
+/// failed so when three sizes booted at once).
+async fn a_sized_boot_outlasts_the_lease(server: &Server) {
+    // A size no earlier run left booted on this host (the test host keeps
+    // its state directory, and a sized copy is reused).
+    let memory_mib = 300 + rand_u64() % 1000;
+    let sweep = server
+        .submit(json!({
+            "name": "sized",
+            "template": "base",
+            "command": "nproc; echo ran {cell}",
+            "cells": [0],
+            "retries": 0,
+            "slurm": {"cpus_per_task": 1, "mem_mib": memory_mib},
+        }))
+        .await;
+    let id = sweep["id"].as_str().unwrap();
+    let started = Instant::now();
+    let done = server.wait_finished(id, Duration::from_secs(300)).await;
+    let cells = server.cells(id).await;
+    assert_eq!(cells[0]["state"], "succeeded", "{}", cells[0]);
+    assert_eq!(cells[0]["attempts"], 1, "{}", cells[0]);
+    assert_eq!(cells[0]["stdout"], "1\nran 0\n", "{}", cells[0]);
+    assert_eq!(done["state"], "done", "{done}");
+    assert!(
+        started.elapsed() > Duration::from_secs(3),
+        "the boot outlasted three lease lengths (else this test proves nothing): {:?}",
+        started.elapsed()
     );
     server.assert_nothing_left(id).await;
 }
